@@ -1,0 +1,16 @@
+"""attn-spec: property-based conformance checks and a teaching kit for transformer attention.
+
+    >>> import attn_spec
+    >>> report = attn_spec.check(my_attention)   # a function attention(Q, K, V, mask=None)
+    >>> report.conforms
+"""
+import warnings
+
+# torch warns at import when NumPy is absent; the kit never needs NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+__version__ = "0.1.0"
+
+from attn_spec.runner import check, reproduce  # noqa: E402
+
+__all__ = ["__version__", "check", "reproduce"]

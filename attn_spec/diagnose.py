@@ -1,0 +1,55 @@
+"""Name the likely bug behind a mismatch by testing which classic mistake reproduces the output."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attn_spec import reference
+from attn_spec.tolerance import max_error, naive_attention
+
+F64 = torch.float64
+
+
+def _softmax_attention(q, k, v, mask, *, scale, dim=-1):
+    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
+    scores = scale * (q @ k.transpose(-2, -1))  # [..., Tq, Tk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.cpu(), -math.inf)
+    return torch.softmax(scores, dim=dim).nan_to_num(0.0) @ v  # [..., Tq, Dv]
+
+
+def mistakes(q, k, v, mask):
+    """(description, output) for each classic mistake, computed in float64."""
+    d_k = q.shape[-1]
+    s = 1 / math.sqrt(d_k)
+    yield "scores are not scaled (missing 1/sqrt(d_k))", _softmax_attention(q, k, v, mask, scale=1.0)
+    yield "scores are scaled by 1/d_k instead of 1/sqrt(d_k)", _softmax_attention(q, k, v, mask, scale=1 / d_k)
+    yield "scores are multiplied by sqrt(d_k) instead of divided", _softmax_attention(q, k, v, mask, scale=math.sqrt(d_k))
+    yield "the scale is applied twice (1/d_k^1.5)", _softmax_attention(q, k, v, mask, scale=s / d_k)
+    if v.shape[-1] != d_k:
+        yield "the scale uses d_v instead of d_k", _softmax_attention(q, k, v, mask, scale=1 / math.sqrt(v.shape[-1]))
+    if q.shape[-2] > 1:
+        yield "the softmax runs over the query axis (dim=-2) instead of the keys", \
+            _softmax_attention(q, k, v, mask, scale=s, dim=-2)
+    if mask is not None and not bool(mask.all()):
+        yield "the mask is ignored", _softmax_attention(q, k, v, None, scale=s)
+        if bool((~mask).any(dim=-1).all()):  # inverting leaves every row some key
+            yield "the mask is applied with inverted polarity (True taken as 'ignore')", \
+                _softmax_attention(q, k, v, ~mask, scale=s)
+
+
+def explain_mismatch(got, q, k, v, mask, budget: float) -> str:
+    """One sentence naming the mistake that reproduces ``got``, or '' if none does."""
+    if not torch.isfinite(got).all():
+        return "the output has NaN or inf where the reference is finite"
+    for description, output in mistakes(q, k, v, mask):
+        if max_error(got, output) <= max(budget, 1e-3 * max(1.0, output.abs().max().item())):
+            return description
+    if q.dtype == F64:  # a float64 target that secretly computes in float32
+        ref = reference.attention(q, k, v, mask)[0]
+        err = max_error(got, ref)
+        err32 = max_error(naive_attention(q.float(), k.float(), v.float(), mask), ref)
+        if err <= 4 * err32 + 8 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item()):
+            return f"float64 inputs computed at float32 precision: error {err:.1g}, budget {budget:.1g}"
+    return ""

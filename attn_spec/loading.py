@@ -1,0 +1,87 @@
+"""Turn ``path/to/file.py:name`` or ``package.module:name`` into the user's object."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from attn_spec.errors import TargetLoadError
+
+FORMAT_HINT = "A TARGET looks like path/to/file.py:name or package.module:name."
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` without the kit's and importlib's own frames."""
+    te = traceback.TracebackException.from_exception(exc)
+    kit = str(Path(__file__).resolve().parent)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if not f.filename.startswith(kit) and "importlib" not in f.filename
+         and "<frozen" not in f.filename])
+    return "".join(te.format()).rstrip()
+
+
+def _import_file(path: Path):
+    name = "attn_spec_target_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # the user's file may import its neighbours
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def _import(where: str):
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise TargetLoadError(f"Cannot load target: no file {where!r} (looked for {path}). {FORMAT_HINT}")
+        return _import_file(path)
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and where.startswith(exc.name):
+            raise TargetLoadError(f"Cannot load target: no module named {exc.name!r} "
+                                  f"(is it installed, or on PYTHONPATH?). {FORMAT_HINT}") from None
+        raise
+
+
+def load_target(spec: str):
+    """Import and return the object named by ``spec``; raises TargetLoadError with a readable message."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise TargetLoadError(f"Cannot load target {spec!r}: it names no object. {FORMAT_HINT}")
+    dont_write = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # leave no __pycache__ beside the user's file
+    try:
+        module = _import(where)
+    except TargetLoadError:
+        raise
+    except BaseException as exc:  # the user's module raised (or exited) while importing
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise TargetLoadError(f"Cannot load target {spec!r}: importing {where!r} raised "
+                              f"{type(exc).__name__}: {exc}\n\n{user_traceback(exc)}") from None
+    finally:
+        sys.dont_write_bytecode = dont_write
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise TargetLoadError(f"Cannot load target {spec!r}: {where!r} has no attribute {part!r}. "
+                                  f"Callables it defines: {', '.join(names) or 'none'}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TargetLoadError(f"Cannot load target {spec!r}: it is a {type(obj).__name__}, not a function or class.")
+    return obj

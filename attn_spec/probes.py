@@ -1,0 +1,81 @@
+"""Black-box probes: recover what a property needs from a target's outputs alone.
+
+Most targets return only ``softmax(scale * Q K^T) V``. Choosing V cleverly reads the inside:
+
+- V = I (one-hot values, Dv = Tk): the output row i *is* weight row i;
+- V = ones [Tk, 1]: the output is each row's total weight;
+- two keys whose dot products with the query differ by a known gap g: the weight on the
+  larger one is sigmoid(s * g), so s = logit(w) / g is the scale actually applied.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def weights(target, q, k, mask=None) -> torch.Tensor:
+    """The attention weights [..., Tq, Tk] the target applies, read with V = identity."""
+    n_kv = k.shape[-2]
+    eye = torch.eye(n_kv, dtype=q.dtype, device=q.device).expand(*k.shape[:-2], n_kv, n_kv)  # [..., Tk, Tk]
+    return target.attend(q, k, eye, mask)  # [..., Tq, Tk]
+
+
+def row_sums(target, q, k, mask=None) -> torch.Tensor:
+    """Each query's total weight [..., Tq], read with V = ones."""
+    ones = torch.ones(*k.shape[:-1], 1, dtype=q.dtype, device=q.device)  # [..., Tk, 1]
+    return target.attend(q, k, ones, mask)[..., 0]  # [..., Tq]
+
+
+def scale_function(target, d_k: int, dtype=torch.float64, device="cpu") -> float:
+    """The scale s in softmax(s * Q K^T) of an attention function, at key width d_k.
+
+    One query e_0 and two keys, 0 and g * e_0 with g = sqrt(d_k): raw scores 0 and g, so a
+    correct target puts weight sigmoid(1) on key 1. V = [[0], [1]] reads that weight.
+    """
+    g = math.sqrt(d_k)
+    q = torch.zeros(1, d_k, dtype=dtype, device=device)  # [Tq=1, Dk]
+    q[0, 0] = 1
+    k = torch.zeros(2, d_k, dtype=dtype, device=device)  # [Tk=2, Dk]
+    k[1, 0] = g
+    v = torch.tensor([[0.0], [1.0]], dtype=dtype, device=device)  # [Tk=2, Dv=1]
+    w = target.attend(q, k, v)[0, 0].item()
+    return _logit(w) / g
+
+
+def scale_module(target, d_head: int, n_heads: int, dtype=torch.float64, device="cpu") -> list[float]:
+    """The scale each head of a multi-head module applies, with identity projections.
+
+    In every head, the query is that head's first unit vector and key 1 is g times it
+    (g = sqrt(d_head)), key 0 is zero; with W_V = W_O = I the output reads g * w per head.
+    """
+    d_model, g = d_head * n_heads, math.sqrt(d_head)
+    eye = torch.eye(d_model, dtype=dtype, device=device)  # [D, D]
+    first = torch.arange(n_heads) * d_head  # first column of each head
+    x_q = torch.zeros(1, d_model, dtype=dtype, device=device)  # [Tq=1, D]
+    x_q[0, first] = 1
+    x_kv = torch.zeros(2, d_model, dtype=dtype, device=device)  # [Tk=2, D]
+    x_kv[1, first] = g
+    out = target.multihead(x_q, x_kv, dict.fromkeys(("W_Q", "W_K", "W_V", "W_O"), eye), n_heads)  # [1, D]
+    return [_logit(w / g) / g for w in out[0, first].tolist()]
+
+
+def _logit(w: float) -> float:
+    if not 0.0 < w < 1.0:
+        return math.inf if w >= 1.0 else -math.inf if w <= 0.0 else math.nan
+    return math.log(w / (1.0 - w))
+
+
+def name_scale(s: float, d_k: int, d_model: int | None = None) -> str:
+    """Put a name on a recovered scale: '1/sqrt(d_k)', '1/d_k', '1 (no scaling)', ..."""
+    candidates = [(1 / math.sqrt(d_k), "1/sqrt(d_k)"), (1 / d_k, "1/d_k"), (1.0, "1 (no scaling)"),
+                  (math.sqrt(d_k), "sqrt(d_k) (multiplied instead of divided)"),
+                  (1 / d_k**1.5, "1/d_k^1.5 (scaled twice)"), (1 / math.sqrt(64), "1/8 = 1/sqrt(64), a hard-coded d_k?")]
+    if d_model and d_model != d_k:
+        candidates.insert(1, (1 / math.sqrt(d_model), "1/sqrt(d_model) (the whole width, not one head's)"))
+    if not math.isfinite(s):
+        return "undefined (the weight on the larger key was 0 or 1)"
+    for value, label in candidates:
+        if math.isclose(s, value, rel_tol=1e-3):
+            return label
+    return f"{s:.4g} (no standard form)"

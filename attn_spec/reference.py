@@ -1,0 +1,98 @@
+"""The canonical attention: the float64 oracle every property is measured against.
+
+    Attention(Q, K, V) = softmax(scale * Q K^T + bias) V,        scale = 1 / sqrt(d_k)
+
+Shapes use one vocabulary: ``...`` leading batch/head dims, ``Tq`` queries, ``Tk`` keys,
+``Dk`` query/key width, ``Dv`` value width, ``D`` model width, ``H`` heads.
+
+Conventions pinned here (a target's own choices are probed and reported, not assumed):
+- bool mask: True = may attend; a float mask is added to the scaled scores (it is not scaled);
+- causal: query i sees key j when j <= i (top-left), or j <= i + Tk - Tq (bottom-right);
+- a row with no allowed key gets all-zero weights, hence a zero output row.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+F64 = torch.float64
+
+
+def causal_mask(n_q: int, n_kv: int, *, alignment: str = "top-left", device=None) -> torch.Tensor:
+    """Bool mask [Tq, Tk], True where query i may attend key j."""
+    offset = 0 if alignment == "top-left" else n_kv - n_q
+    i = torch.arange(n_q, device=device)[:, None]  # [Tq, 1]
+    j = torch.arange(n_kv, device=device)[None, :]  # [1, Tk]
+    return j <= i + offset  # [Tq, Tk]
+
+
+def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment="top-left"):
+    """Scaled dot-product attention in float64 on the CPU; returns ``(out, weights)``.
+
+    q [..., Tq, Dk], k [..., Tk, Dk], v [..., Tk, Dv]; mask bool or float, broadcastable
+    to [..., Tq, Tk]. Leading dims broadcast like matmul.
+    """
+    q, k, v = (t.detach().to("cpu", F64) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scores = scale * (q @ k.transpose(-2, -1))  # [..., Tq, Dk] x [..., Dk, Tk] -> [..., Tq, Tk]
+    allowed = torch.ones_like(scores, dtype=torch.bool)  # [..., Tq, Tk]
+    if mask is not None:
+        mask = mask.detach().cpu()
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            scores = scores + mask.to(F64)
+    if causal:
+        allowed = allowed & causal_mask(*scores.shape[-2:], alignment=causal_alignment)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., Tq, 1] rows with no key
+    weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)  # [..., Tq, Tk]
+    out = weights @ v  # [..., Tq, Tk] x [..., Tk, Dv] -> [..., Tq, Dv]
+    return out, weights
+
+
+def multihead(x_q, x_kv, W_Q, W_K, W_V, W_O, n_heads, mask=None):
+    """Multi-head attention in the seed's form, in float64; returns ``(out, weights)``.
+
+    x_q [Tq, D], x_kv [Tk, D]; each W is an ``nn.Linear`` weight [D, D] (y = x W^T);
+    mask broadcastable to [H, Tq, Tk]. Head h uses columns h*Dh:(h+1)*Dh, Dh = D / H.
+    """
+    x_q, x_kv, W_Q, W_K, W_V, W_O = (t.detach().to("cpu", F64) for t in (x_q, x_kv, W_Q, W_K, W_V, W_O))
+    d_model = x_q.shape[-1]
+    d_head = d_model // n_heads
+
+    def split(t):  # [T, D] -> [H, T, Dh]
+        return t.view(t.shape[0], n_heads, d_head).transpose(0, 1)
+
+    heads, weights = attention(split(x_q @ W_Q.T), split(x_kv @ W_K.T), split(x_kv @ W_V.T), mask)  # [H, Tq, Dh]
+    concat = heads.transpose(0, 1).reshape(x_q.shape[0], d_model)  # [Tq, H * Dh] = [Tq, D]
+    return concat @ W_O.T, weights  # [Tq, D], [H, Tq, Tk]
+
+
+class MultiHeadAttention(torch.nn.Module):
+    """The seed's multi-head module: ``W_Q``, ``W_K``, ``W_V``, ``W_O`` and ``forward(x_q, x_kv, mask)``.
+
+    It is itself a valid target of the ``module`` convention, and computes in float64.
+    """
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.W_Q = torch.nn.Linear(d_model, d_model, bias=False)
+        self.W_K = torch.nn.Linear(d_model, d_model, bias=False)
+        self.W_V = torch.nn.Linear(d_model, d_model, bias=False)
+        self.W_O = torch.nn.Linear(d_model, d_model, bias=False)  # mixes the concatenated heads
+
+    def forward(self, x_q, x_kv, mask=None):
+        W = (self.W_Q.weight, self.W_K.weight, self.W_V.weight, self.W_O.weight)
+        out, _ = multihead(x_q, x_kv, *W, self.n_heads, mask)
+        return out.to(device=x_q.device, dtype=x_q.dtype)  # [Tq, D]
+
+
+def reference_attention(Q, K, V, mask=None):
+    """The reference in the ``function`` convention: returns only the output, in the inputs' dtype."""
+    out, _ = attention(Q, K, V, mask)
+    return out.to(device=Q.device, dtype=Q.dtype)  # [..., Tq, Dv]

@@ -1,0 +1,160 @@
+"""Conformance reports: results as data, rendered as text, markdown or JSON."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from tabulate import tabulate
+
+MAX_SHOWN = 8  # rows and columns of a matrix printed in a report
+
+
+@dataclass
+class PropertyResult:
+    id: str
+    status: str  # "pass" | "fail" | "error" | "skip"
+    message: str = ""
+    statement: str = ""
+    cause: str = ""
+    counterexample: dict | None = None
+    examples: int = 0
+    seconds: float = 0.0
+    blocked_by: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
+                "blocked_by": self.blocked_by, "counterexample": self.counterexample,
+                "examples": self.examples, "seconds": round(self.seconds, 4)}
+
+
+@dataclass
+class TargetReport:
+    target: str
+    convention: str
+    properties: list[PropertyResult] = field(default_factory=list)
+    calls: int = 0
+
+    @property
+    def conforms(self) -> bool:
+        return all(p.status in ("pass", "skip") for p in self.properties)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
+                "calls": self.calls, "properties": [p.to_dict() for p in self.properties]}
+
+
+@dataclass
+class Report:
+    targets: list[TargetReport]
+    kit_version: str
+    profile: str
+    seed: int
+    torch_version: str = torch.__version__
+    devices: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+
+    @property
+    def conforms(self) -> bool:
+        return all(t.conforms for t in self.targets)
+
+    def to_dict(self) -> dict:
+        return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
+                "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
+                "conforms": self.conforms, "targets": [t.to_dict() for t in self.targets]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        return render(self, markdown=False)
+
+    def to_markdown(self) -> str:
+        return render(self, markdown=True)
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
+
+def tensor_to_data(t, limit: int = 256):
+    """A small tensor as nested lists of floats; a large one as None (the report shows a corner)."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() > limit:
+        return None
+    return t.detach().to("cpu", torch.float64).tolist()
+
+
+def format_matrix(t) -> str:
+    """The top-left corner of the first matrix in ``t``, as an aligned plain table."""
+    t = t.detach().to("cpu", torch.float64)
+    prefix = ""
+    while t.dim() > 2:
+        prefix += "[0]"
+        t = t[0]
+    if t.dim() < 2:
+        t = t.reshape(1, -1)
+    shown = t[:MAX_SHOWN, :MAX_SHOWN].tolist()
+    rows = [[f"{x:.4g}" for x in row] + (["…"] if t.shape[1] > MAX_SHOWN else []) for row in shown]
+    if t.shape[0] > MAX_SHOWN:
+        rows.append(["⋮"] * len(rows[0]))
+    table = tabulate(rows, tablefmt="plain", disable_numparse=True, stralign="right")
+    return (f"{prefix} " if prefix else "") + f"[{t.shape[0]}x{t.shape[1]}]\n" + table
+
+
+def side_by_side(left: str, right: str, titles=("got", "expected"), gap: int = 4) -> str:
+    a, b = left.splitlines(), right.splitlines()
+    width = max([len(x) for x in a] + [len(titles[0])])
+    lines = [titles[0].ljust(width + gap) + titles[1]]
+    for i in range(max(len(a), len(b))):
+        lines.append((a[i] if i < len(a) else "").ljust(width + gap) + (b[i] if i < len(b) else ""))
+    return "\n".join(lines)
+
+
+def _summary_rows(target: TargetReport):
+    for p in target.properties:
+        verdict = p.status if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
+        yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
+
+
+def _failure_section(p: PropertyResult, markdown: bool) -> str:
+    lines = []
+    head = f"{p.id}: {p.statement}" if p.statement else p.id
+    lines.append(f"### ✗ {head}" if markdown else f"✗ {head}")
+    pad = "" if markdown else "  "
+    bullet = "- " if markdown else pad
+    lines.append(f"{bullet}what happened: {p.message}")
+    if p.cause:
+        lines.append(f"{bullet}likely cause: {p.cause}")
+    ce = p.counterexample
+    if ce:
+        lines.append(f"{bullet}counterexample ({ce['summary']}):")
+        if ce.get("got_text"):
+            block = side_by_side(ce["got_text"], ce["expected_text"]) if ce.get("expected_text") else ce["got_text"]
+            lines.append("```\n" + block + "\n```" if markdown else "\n".join(pad * 2 + x for x in block.splitlines()))
+        lines.append(f"{bullet}reproduce:")
+        snippet = ce["reproduce"]
+        lines.append("```python\n" + snippet + "\n```" if markdown else "\n".join(pad * 2 + x for x in snippet.splitlines()))
+    return "\n".join(lines)
+
+
+def render(report: Report, *, markdown: bool) -> str:
+    out = []
+    header = (f"attn-spec {report.kit_version} · profile {report.profile} · seed {report.seed} · "
+              f"torch {report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
+    out.append(f"# Conformance report\n\n{header}" if markdown else header)
+    for t in report.targets:
+        failed = [p for p in t.properties if p.status in ("fail", "error")]
+        verdict = "CONFORMS" if t.conforms else f"DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)"
+        title = f"{t.target} ({t.convention} convention): {verdict}"
+        out.append(f"\n## {title}\n" if markdown else f"\n{title}")
+        out.append(tabulate(list(_summary_rows(t)), headers=["property", "verdict", "examples", "time"],
+                            tablefmt="github" if markdown else "simple"))
+        skipped = [p for p in t.properties if p.status == "skip"]
+        for p in skipped:
+            out.append(f"{'- ' if markdown else '  '}skipped {p.id}: {p.message}")
+        for p in failed:
+            if p.blocked_by:
+                out.append(f"\n{'- ' if markdown else ''}{p.id} is blocked by {p.blocked_by}: fix that first "
+                           f"({p.message})")
+            else:
+                out.append("\n" + _failure_section(p, markdown))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,125 @@
+"""Hypothesis strategies that generate the attention inputs most likely to expose bugs.
+
+Every strategy draws a :class:`~attn_spec.cases.Case` (shapes, dtype, device, seed), not raw
+tensors: drawing a seed instead of every element keeps generation fast at d_k = 256 and
+lets shrinking move towards small shapes, float64 and small-integer entries, which print as
+readable matrices.
+
+Profiles set the budget:
+
+========  ========  ==============================  ======================  ==========
+profile   examples  lengths (n_q, n_kv)             head dims (d_k, d_v)    batch dims
+========  ========  ==============================  ======================  ==========
+quick     6         1..6                            1..6                    up to 1
+default   25        1..8, or 17, 64, 113, 130       1..8, or 32, 59, 128,   up to 2
+                                                    256
+thorough  120       1..12, or up to 512             1..12, or up to 256     up to 3
+========  ========  ==============================  ======================  ==========
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from attn_spec.cases import DTYPES, Case, MhaCase, available_devices
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How hard to look: examples per property and the sizes drawn."""
+
+    name: str
+    max_examples: int
+    small: int  # lengths and dims are usually drawn from 1..small
+    lengths: tuple[int, ...]  # ... and sometimes from these larger lengths
+    dims: tuple[int, ...]  # ... and these larger head dims
+    max_batch_dims: int
+    magnitudes: tuple[float, ...]  # entry scales; large ones make the softmax nearly one-hot
+
+
+PROFILES = {
+    "quick": Profile("quick", 6, 6, (), (), 1, (1.0, 3.0)),
+    "default": Profile("default", 25, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0)),
+    "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
+                        3, (0.1, 1.0, 3.0, 8.0)),
+}
+
+
+class KitUsageError(ValueError):
+    """A caller asked for something impossible (an unknown profile, dtype or device)."""
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise KitUsageError(f"profile={name!r}, but it must be one of {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def sizes(small: int, large: tuple[int, ...] = ()) -> st.SearchStrategy[int]:
+    """Mostly 1..small, sometimes one of ``large``; shrinks towards 1."""
+    base = st.integers(1, small)
+    return st.one_of(base, st.sampled_from(large)) if large else base
+
+
+def _checked(values, allowed, what):
+    values = list(values)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise KitUsageError(f"{what}={values}, but each must be one of {', '.join(allowed)}")
+    return values
+
+
+def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
+          masks=("none", "random", "causal"), cross: bool | None = None, batch: bool = True,
+          min_n_kv: int = 1) -> st.SearchStrategy[Case]:
+    """Attention cases for one profile.
+
+    - ``dtypes``: dtype names drawn from, first one preferred when shrinking (default all four).
+    - ``devices``: device names (default every available device).
+    - ``masks``: mask kinds drawn from: "none", "random", "causal".
+    - ``cross``: True forces n_q != n_kv and d_v != d_k, False forces self-attention shapes,
+      None draws both.
+    - ``batch``: whether leading batch/head dims may be drawn.
+    - ``min_n_kv``: the fewest keys (probes that compare two keys need 2).
+
+    Examples shrink towards one query, one key, width 1, float64, integer entries.
+    """
+    prof = profile if isinstance(profile, Profile) else get_profile(profile)
+    dtypes = _checked(dtypes, DTYPES, "dtypes")
+    devices = _checked(devices or available_devices(), available_devices(), "devices")
+    length, dim = sizes(prof.small, prof.lengths), sizes(prof.small, prof.dims)
+    batch_dims = st.lists(st.integers(1, 3), max_size=prof.max_batch_dims if batch else 0).map(tuple)
+
+    @st.composite
+    def draw(draw_):
+        n_q, n_kv = draw_(length), draw_(length.filter(lambda n: n >= min_n_kv))
+        d_k, d_v = draw_(dim), draw_(dim)
+        if cross is True:
+            n_kv = n_kv if n_kv != n_q else n_q + 1
+            d_v = d_v if d_v != d_k else d_k + 1
+        elif cross is False:
+            n_kv, d_v = n_q, d_k
+        n_kv = max(n_kv, min_n_kv)
+        return Case(batch=draw_(batch_dims), n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v,
+                    dtype=draw_(st.sampled_from(dtypes)), device=draw_(st.sampled_from(devices)),
+                    values=draw_(st.sampled_from(["integers", "normal"])),
+                    magnitude=draw_(st.sampled_from(prof.magnitudes)),
+                    mask=draw_(st.sampled_from(list(masks))), seed=draw_(st.integers(0, 2**16)))
+
+    return draw()
+
+
+def mha_cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
+              masks=("none", "random", "causal")) -> st.SearchStrategy[MhaCase]:
+    """Multi-head cases: d_model = n_heads * d_head with 1..4 heads; shrinks towards 1 head."""
+    prof = profile if isinstance(profile, Profile) else get_profile(profile)
+    dtypes = _checked(dtypes, DTYPES, "dtypes")
+    devices = _checked(devices or available_devices(), available_devices(), "devices")
+    length = sizes(prof.small, prof.lengths[:2])
+    return st.builds(
+        lambda n_q, n_kv, d_head, n_heads, **kw: MhaCase(n_q=n_q, n_kv=n_kv, d_model=d_head * n_heads,
+                                                         n_heads=n_heads, **kw),
+        n_q=length, n_kv=length, d_head=sizes(prof.small, prof.dims[:2]), n_heads=st.integers(1, 4),
+        dtype=st.sampled_from(dtypes), device=st.sampled_from(devices),
+        mask=st.sampled_from(list(masks)), seed=st.integers(0, 2**16))
