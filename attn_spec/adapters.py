@@ -31,10 +31,12 @@ PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
 
 
 def _call(fn, args, call: str):
-    """Run the user's code; its exceptions become a TargetRaised (or Unsupported) with its traceback."""
+    """Run the user's code; its exceptions become a TargetRaised (or Unsupported) with its traceback.
+
+    Autograd follows the caller's mode: off by default, on inside ``Target.vjp``.
+    """
     try:
-        with torch.no_grad():
-            return fn(*args)
+        return fn(*args)
     except NotImplementedError as exc:
         raise Unsupported(f"{call} raised NotImplementedError: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - anything the user's code raises is a finding
@@ -61,7 +63,27 @@ class Target:
         self.obj, self.name, self.calls = obj, name, 0
 
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
-        raise NotImplementedError
+        with torch.no_grad():
+            return self._attend(q, k, v, mask)
+
+    def _attend(self, q, k, v, mask):
+        raise NotImplementedError  # sanity check: every convention implements it
+
+    def vjp(self, q, k, v, mask, grad_out):
+        """(out, dQ, dK, dV): the output and the gradients of <out, grad_out> w.r.t. Q, K and V.
+
+        A gradient that does not reach an input comes back as zeros. A target whose output
+        is not differentiable at all (detached, computed under no_grad) raises Unsupported.
+        """
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        with torch.enable_grad():
+            out = self._attend(*leaves, mask)
+            if not out.requires_grad:
+                raise Unsupported("no autograd: the output is not differentiable in Q, K, V "
+                                  "(computed under no_grad, detached, or outside torch)")
+            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+        return (out.detach(), *grads)
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None) -> torch.Tensor:
         raise Unsupported(f"the {self.convention} convention has no multi-head projections to compare")
@@ -77,7 +99,7 @@ class FunctionTarget(Target):
 
     convention = "function"
 
-    def attend(self, q, k, v, mask=None):
+    def _attend(self, q, k, v, mask):
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
         args = (q, k, v) if mask is None else (q, k, v, mask)
@@ -89,7 +111,23 @@ class ModuleTarget(Target):
 
     convention = "module"
 
+    def __init__(self, obj, name):
+        super().__init__(obj, name)
+        self._modules = {}  # (d_model, n_heads, dtype, device) -> instance; weights are reloaded per call
+
     def _build(self, d_model, n_heads, weights, dtype, device):
+        key = (d_model, n_heads, dtype, str(device))
+        if key not in self._modules:
+            self._modules[key] = self._construct(d_model, n_heads, dtype, device)
+        module = self._modules[key]
+        with torch.no_grad():
+            for name in PROJECTIONS:
+                getattr(module, name).weight.copy_(weights[name])
+                if getattr(getattr(module, name), "bias", None) is not None:
+                    getattr(module, name).bias.zero_()
+        return module
+
+    def _construct(self, d_model, n_heads, dtype, device):
         call = f"{self.name}({d_model}, {n_heads})"
         module = _call(self.obj, (d_model, n_heads), call)
         for name in PROJECTIONS:
@@ -101,21 +139,20 @@ class ModuleTarget(Target):
         if hasattr(module, "to"):
             module = module.to(device=device, dtype=dtype)
             module.eval()
-        with torch.no_grad():
-            for name in PROJECTIONS:
-                getattr(module, name).weight.copy_(weights[name])
-                if getattr(getattr(module, name), "bias", None) is not None:
-                    getattr(module, name).bias.zero_()
         return module
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):
+        with torch.no_grad():
+            return self._multihead(x_q, x_kv, weights, n_heads, mask)
+
+    def _multihead(self, x_q, x_kv, weights, n_heads, mask):
         self.calls += 1
         module = self._build(x_q.shape[-1], n_heads, weights, x_q.dtype, x_q.device)
         call = "forward(x_q, x_kv, mask)" if mask is not None else "forward(x_q, x_kv)"
         args = (x_q, x_kv) if mask is None else (x_q, x_kv, mask)
         return check_output(_call(module, args, call), (x_q.shape[0], x_q.shape[-1]), call)
 
-    def attend(self, q, k, v, mask=None):
+    def _attend(self, q, k, v, mask):
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         n_q, d_k, n_kv, d_v = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
         m = 0
@@ -131,7 +168,7 @@ class ModuleTarget(Target):
         q, k, v = q.expand(*batch, n_q, d_k), k.expand(*batch, n_kv, d_k), v.expand(*batch, n_kv, d_v)
         if mask is not None:
             mask = mask.expand(*batch, n_q, n_kv)
-        out = torch.empty(*batch, n_q, d_v, dtype=q.dtype, device=q.device)  # [..., Tq, Dv]
+        rows = []
         for index in (torch.cartesian_prod(*[torch.arange(n) for n in batch]).reshape(-1, len(batch)).tolist()
                       if batch else [[]]):
             index = tuple(index)
@@ -139,9 +176,9 @@ class ModuleTarget(Target):
             pad_kv = torch.zeros(n_kv, d_model - d_k - d_v, dtype=q.dtype, device=q.device)
             x_q = torch.cat([q[index] * gain, pad_q], dim=-1)  # [Tq, D]
             x_kv = torch.cat([k[index], v[index], pad_kv], dim=-1)  # [Tk, D]
-            y = self.multihead(x_q, x_kv, weights, 1, None if mask is None else mask[index])  # [Tq, D]
-            out[index] = y[:, d_k:d_k + d_v]
-        return out
+            y = self._multihead(x_q, x_kv, weights, 1, None if mask is None else mask[index])  # [Tq, D]
+            rows.append(y[:, d_k:d_k + d_v])  # [Tq, Dv]
+        return torch.stack(rows).reshape(*batch, n_q, d_v)  # [..., Tq, Dv]
 
 
 def detect_convention(obj) -> str:

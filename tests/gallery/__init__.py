@@ -1,0 +1,46 @@
+"""A gallery of attentions for testing the kit itself.
+
+- ``CORRECT``: implementations in other styles (einsum, online softmax, float64 inside,
+  SDPA, ...). Every property must pass on each of them, in every dtype and profile.
+- ``BUGGY``: the classic mistakes. Each entry names the properties that exist to catch it;
+  every one of those must fail. The kill count (buggy entries caught / total) and the false
+  alarms (failures on correct variants) are printed at the end of the test run.
+
+Each module of this package registers its entries with ``@correct`` and ``@buggy``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    obj: object  # the attention function or module class
+    convention: str  # "function" or "module"
+    catches: tuple[str, ...] = ()  # property ids that must fail; empty for a correct variant
+    bug: str = ""  # what is wrong, in one line
+
+    def __str__(self) -> str:  # readable pytest ids
+        return self.name
+
+
+CORRECT: list[Entry] = []
+BUGGY: list[Entry] = []
+
+
+def correct(convention: str = "function"):
+    def register(obj):
+        CORRECT.append(Entry(obj.__name__, obj, convention))
+        return obj
+    return register
+
+
+def buggy(*catches: str, bug: str, convention: str = "function"):
+    def register(obj):
+        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug))
+        return obj
+    return register
+
+
+from gallery import core  # noqa: E402,F401  - registers the entries

@@ -1,0 +1,294 @@
+"""Correct variants and classic bugs for the seed's properties."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attn_spec import reference
+from gallery import buggy, correct
+
+NEG_INF = float("-inf")
+
+
+def _scores(Q, K, scale=None):
+    scale = 1 / math.sqrt(Q.size(-1)) if scale is None else scale
+    return Q @ K.transpose(-2, -1) * scale  # [..., Tq, Tk]
+
+
+def _masked(scores, mask):
+    return scores if mask is None else scores.masked_fill(~mask, NEG_INF)
+
+
+# ---------------------------------------------------------------- correct variants
+
+
+@correct()
+def seed_function(Q, K, V, mask=None):
+    """The seed's four lines."""
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, NEG_INF)
+    return scores.softmax(dim=-1) @ V
+
+
+@correct()
+def einsum_style(Q, K, V, mask=None):
+    scores = torch.einsum("...qd,...kd->...qk", Q, K) / math.sqrt(Q.shape[-1])  # [..., Tq, Tk]
+    weights = torch.softmax(_masked(scores, mask), dim=-1)
+    return torch.einsum("...qk,...kd->...qd", weights, V)  # [..., Tq, Dv]
+
+
+@correct()
+def online_softmax(Q, K, V, mask=None, block=3):
+    """Flash-style: one pass over key blocks with a running max and running sum (in the input dtype)."""
+    batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
+    n_q, n_kv = Q.shape[-2], K.shape[-2]
+    if mask is not None:
+        mask = mask.expand(*batch, n_q, n_kv)
+    run_max = torch.full((*batch, n_q, 1), NEG_INF, dtype=Q.dtype, device=Q.device)  # [..., Tq, 1]
+    run_sum = torch.zeros((*batch, n_q, 1), dtype=Q.dtype, device=Q.device)  # [..., Tq, 1]
+    acc = torch.zeros((*batch, n_q, V.shape[-1]), dtype=Q.dtype, device=Q.device)  # [..., Tq, Dv]
+    for start in range(0, n_kv, block):
+        s = _scores(Q, K[..., start:start + block, :])  # [..., Tq, b]
+        if mask is not None:
+            s = s.masked_fill(~mask[..., start:start + block], NEG_INF)
+        new_max = torch.maximum(run_max, s.amax(dim=-1, keepdim=True))
+        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        correction = torch.exp(run_max - safe_max)  # rescales what was accumulated so far
+        p = torch.exp(s - safe_max)  # [..., Tq, b]
+        run_sum = run_sum * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + p @ V[..., start:start + block, :]
+        run_max = new_max
+    return acc / run_sum
+
+
+@correct()
+def float64_inside(Q, K, V, mask=None):
+    out = seed_function(Q.double(), K.double(), V.double(), mask)
+    return out.to(Q.dtype)
+
+
+@correct()
+def sdpa(Q, K, V, mask=None):
+    return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
+
+
+@correct()
+def logsumexp_style(Q, K, V, mask=None):
+    """exp(s - logsumexp(s)); the log-sum-exp is kept in float32 for 16-bit inputs, as kernels do
+    (in float16 its rounding at |s| ~ 1000 alone is 0.25, a 28% error in every weight)."""
+    scores = _masked(_scores(Q, K), mask)  # [..., Tq, Tk]
+    wide = scores.float() if Q.element_size() < 4 else scores
+    return torch.exp(wide - torch.logsumexp(wide, dim=-1, keepdim=True)).to(Q.dtype) @ V
+
+
+@correct()
+def chunked_over_queries(Q, K, V, mask=None, chunk=2):
+    rows = []
+    for start in range(0, Q.shape[-2], chunk):
+        m = None if mask is None else mask[..., start:start + chunk, :]
+        rows.append(seed_function(Q[..., start:start + chunk, :], K, V, m))
+    return torch.cat(rows, dim=-2)
+
+
+@correct()
+def additive_finfo_min_mask(Q, K, V, mask=None):
+    """The Hugging Face style: the mask becomes an additive bias of finfo.min."""
+    scores = _scores(Q, K)
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=Q.dtype, device=Q.device)
+        scores = scores + bias.masked_fill(~mask, torch.finfo(Q.dtype).min)
+    return torch.softmax(scores, dim=-1) @ V
+
+
+@correct()
+def scale_keys_first(Q, K, V, mask=None):
+    """Folds the scale into K and computes (V^T A^T)^T."""
+    weights = torch.softmax(_masked(Q @ (K / math.sqrt(K.size(-1))).transpose(-2, -1), mask), dim=-1)
+    return (V.transpose(-2, -1) @ weights.transpose(-2, -1)).transpose(-2, -1)
+
+
+correct()(reference.reference_attention)
+correct("module")(reference.MultiHeadAttention)
+
+
+@correct("module")
+class SeedMultiHead(torch.nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.h, self.d_k = n_heads, d_model // n_heads
+        self.W_Q, self.W_K, self.W_V, self.W_O = (torch.nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+
+    def split(self, t):  # [n, d_model] -> [h, n, d_k]
+        return t.view(t.size(0), self.h, self.d_k).transpose(0, 1)
+
+    def merge(self, heads):  # [h, n, d_k] -> [n, d_model]
+        return heads.transpose(0, 1).reshape(heads.size(1), -1)
+
+    def forward(self, x_q, x_kv, mask=None):
+        heads = seed_function(self.split(self.W_Q(x_q)), self.split(self.W_K(x_kv)), self.split(self.W_V(x_kv)), mask)
+        return self.W_O(self.merge(heads))
+
+
+# ---------------------------------------------------------------- bugs: softmax axis and normalisation
+
+
+@buggy("rows-sum-to-one", "matches-reference", bug="softmax over the query axis")
+def softmax_over_queries(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K), mask), dim=-2).nan_to_num(0.0) @ V
+
+
+@buggy("rows-sum-to-one", "matches-reference", bug="exp without normalisation")
+def unnormalised_exp(Q, K, V, mask=None):
+    scores = _masked(_scores(Q, K), mask)
+    return torch.exp(scores - scores.amax(dim=-1, keepdim=True)) @ V
+
+
+@buggy("rows-sum-to-one", "matches-reference", bug="sigmoid instead of softmax")
+def sigmoid_weights(Q, K, V, mask=None):
+    return torch.sigmoid(_masked(_scores(Q, K), mask)) @ V
+
+
+# ---------------------------------------------------------------- bugs: masks
+
+
+@buggy("causal-mask", "matches-reference", bug="the mask argument is ignored")
+def ignores_mask(Q, K, V, mask=None):
+    return torch.softmax(_scores(Q, K), dim=-1) @ V
+
+
+@buggy("causal-mask", "matches-reference", bug="mask polarity inverted (True taken as 'ignore')")
+def inverted_mask(Q, K, V, mask=None):
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(mask, NEG_INF)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ V
+
+
+@buggy("causal-mask", "matches-reference", bug="mask transposed")
+def transposed_mask(Q, K, V, mask=None):
+    scores = _scores(Q, K)
+    if mask is not None:
+        m = mask.transpose(-2, -1)
+        if m.shape[-2:] != scores.shape[-2:]:
+            m = m[..., :scores.shape[-2], :scores.shape[-1]]
+            pad = scores.shape[-1] - m.shape[-1]
+            m = F.pad(m, (0, pad, 0, scores.shape[-2] - m.shape[-2]), value=True)
+        scores = scores.masked_fill(~m, NEG_INF)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ V
+
+
+# ---------------------------------------------------------------- bugs: position dependence
+
+
+@buggy("permutation-equivariance", "matches-reference", bug="a positional bias inside attention")
+def positional_bias(Q, K, V, mask=None):
+    bias = 0.5 * torch.arange(K.shape[-2], dtype=Q.dtype, device=Q.device)  # [Tk]
+    return torch.softmax(_masked(_scores(Q, K) + bias, mask), dim=-1) @ V
+
+
+@buggy("permutation-equivariance", "matches-reference", bug="a causal mask hard-coded inside")
+def hard_coded_causal(Q, K, V, mask=None):
+    tril = reference.causal_mask(Q.shape[-2], K.shape[-2], device=Q.device)
+    return torch.softmax(_masked(_masked(_scores(Q, K), tril), mask), dim=-1).nan_to_num(0.0) @ V
+
+
+@buggy("permutation-equivariance", "matches-reference", bug="values summed cumulatively over keys")
+def cumulative_values(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V.cumsum(dim=-2)
+
+
+# ---------------------------------------------------------------- bugs: scale
+
+
+@buggy("scale-sqrt-dk", "matches-reference", bug="divides by d_k")
+def scale_one_over_dk(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K, 1 / Q.size(-1)), mask), dim=-1) @ V
+
+
+@buggy("scale-sqrt-dk", "matches-reference", bug="no scaling")
+def no_scale(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K, 1.0), mask), dim=-1) @ V
+
+
+@buggy("scale-sqrt-dk", "matches-reference", bug="sqrt(64) hard-coded")
+def hard_coded_scale(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K, 1 / 8), mask), dim=-1) @ V
+
+
+@buggy("scale-sqrt-dk", "matches-reference", bug="scale applied twice (Q prescaled, then 1/sqrt(d_k) again)")
+def scale_twice(Q, K, V, mask=None):
+    return sdpa(Q / math.sqrt(Q.size(-1)), K, V, mask)
+
+
+# ---------------------------------------------------------------- bugs: rectangular shapes
+
+
+@buggy("cross-attention-shapes", "matches-reference", bug="K used as the values")
+def keys_as_values(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ K
+
+
+@buggy("cross-attention-shapes", bug="default mask built from the query length")
+def square_default_mask(Q, K, V, mask=None):
+    if mask is None:
+        mask = torch.ones(Q.shape[-2], Q.shape[-2], dtype=torch.bool, device=Q.device)
+    return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V
+
+
+@buggy("cross-attention-shapes", bug="output truncated to the query width")
+def output_as_wide_as_queries(Q, K, V, mask=None):
+    out = torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V
+    return out[..., : Q.shape[-1]]
+
+
+# ---------------------------------------------------------------- bugs: multi-head plumbing
+
+
+class _BuggyMultiHead(SeedMultiHead):
+    scale_width = False
+
+    def forward(self, x_q, x_kv, mask=None):
+        Q, K, V = self.split(self.W_Q(x_q)), self.split(self.W_K(x_kv)), self.split(self.W_V(x_kv))
+        scale = 1 / math.sqrt(self.h * self.d_k if self.scale_width else self.d_k)
+        heads = torch.softmax(_masked(Q @ K.transpose(-2, -1) * scale, mask), dim=-1) @ V
+        return self.W_O(self.merge(heads))
+
+
+@buggy("head-concat-equivalence", "permutation-equivariance", bug="heads split with view and no transpose",
+       convention="module")
+class SplitWithoutTranspose(_BuggyMultiHead):
+    def split(self, t):
+        return t.reshape(self.h, t.size(0), self.d_k)
+
+
+@buggy("head-concat-equivalence", bug="heads merged with view and no transpose", convention="module")
+class MergeWithoutTranspose(_BuggyMultiHead):
+    def merge(self, heads):
+        return heads.reshape(heads.size(1), -1)
+
+
+@buggy("head-concat-equivalence", "scale-sqrt-dk", bug="scale uses d_model, not the per-head d_k",
+       convention="module")
+class ScaleByModelWidth(_BuggyMultiHead):
+    scale_width = True
+
+
+@buggy("head-concat-equivalence", bug="W_O never applied", convention="module")
+class MissingOutputProjection(_BuggyMultiHead):
+    def forward(self, x_q, x_kv, mask=None):
+        Q, K, V = self.split(self.W_Q(x_q)), self.split(self.W_K(x_kv)), self.split(self.W_V(x_kv))
+        return self.merge(seed_function(Q, K, V, mask))
+
+
+# ---------------------------------------------------------------- bugs: values only
+
+
+@buggy("matches-reference", bug="float64 inputs computed in float32")
+def float32_inside(Q, K, V, mask=None):
+    return seed_function(Q.float(), K.float(), V.float(), mask).to(Q.dtype)
+
+
+@buggy("matches-reference", bug="softmax temperature 0.9 left in")
+def temperature(Q, K, V, mask=None):
+    return torch.softmax(_masked(_scores(Q, K) / 0.9, mask), dim=-1) @ V
