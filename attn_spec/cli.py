@@ -1,116 +1,38 @@
-"""The ``attn-spec`` command line.
+"""The ``attn-spec`` command line: one module per subcommand in ``attn_spec.commands``.
 
-Exit codes: 0 every target conforms, 1 a property fails, 2 usage error or unloadable target.
+Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit code``.
+Exit codes: 0 success / conforms, 1 a property fails, 2 usage error or unloadable target.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
-import time
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-CHECK_EPILOG = """\
-Examples:
-  attn-spec check examples/seed_attention.py:attention
-  attn-spec check mypkg.attn:MultiHeadAttention --profile thorough
-  attn-spec check my.py:attention --only scale-sqrt-dk causal-mask --seed 42
-  attn-spec check my.py:attention --format json --output report.json
-
-Exit status: 0 every target conforms, 1 a property fails, 2 usage error or a target
-that cannot be loaded.
-"""
-
-
-def _ids(text: str) -> list[str]:
-    return [i for i in text.replace(",", " ").split() if i]
 
 
 def build_parser() -> argparse.ArgumentParser:
     from attn_spec import __version__
-    from attn_spec.adapters import CONVENTIONS
-    from attn_spec.strategies import PROFILES
+    from attn_spec.commands import COMMANDS
 
     parser = argparse.ArgumentParser(prog="attn-spec", description="Property-based conformance checks for attention.")
     parser.add_argument("--version", action="version", version=f"attn-spec {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    check = commands.add_parser("check", help="check attention functions or modules against the catalog",
-                                epilog=CHECK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    check.add_argument("targets", nargs="+", metavar="TARGET", help="path/to/file.py:name or package.module:name")
-    check.add_argument("--convention", choices=CONVENTIONS, help="force the target convention (default: detected)")
-    check.add_argument("--profile", choices=list(PROFILES), default="default", help="how hard to look (default: default)")
-    check.add_argument("--seed", type=int, help="seed for a reproducible run (default: random, printed in the report)")
-    check.add_argument("--only", nargs="+", type=_ids, default=[], metavar="ID", help="run only these property ids")
-    check.add_argument("--skip", nargs="+", type=_ids, default=[], metavar="ID", help="skip these property ids")
-    check.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="report format")
-    check.add_argument("--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"attn_spec.commands.{name}").add_parser(subparsers)
     return parser
-
-
-class _Progress:
-    """One status line on stderr, only on a terminal and only once a run takes a few seconds."""
-
-    def __init__(self, enabled: bool, after: float = 2.0):
-        self.enabled, self.start, self.after, self.shown = enabled, time.monotonic(), after, False
-
-    def __call__(self, text: str) -> None:
-        if self.enabled and time.monotonic() - self.start > self.after:
-            sys.stderr.write(f"\r\033[K{text}")
-            sys.stderr.flush()
-            self.shown = True
-
-    def done(self) -> None:
-        if self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-
-
-def _flatten(lists) -> list[str]:
-    return [i for group in lists for i in group]
-
-
-def run_check(args) -> int:
-    import attn_spec
-    from attn_spec.adapters import make_target
-    from attn_spec.errors import TargetLoadError
-    from attn_spec.loading import load_target
-    from attn_spec.strategies import KitUsageError
-
-    targets = []
-    for spec in args.targets:
-        try:
-            targets.append(make_target(load_target(spec), spec, args.convention))
-        except TargetLoadError as exc:
-            print(f"attn-spec: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    progress = _Progress(sys.stderr.isatty())
-    try:
-        report = attn_spec.check(*targets, profile=args.profile, seed=args.seed, only=_flatten(args.only),
-                                 skip=_flatten(args.skip), progress=progress)
-    except KitUsageError as exc:
-        print(f"attn-spec: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    finally:
-        progress.done()
-    text = {"text": str, "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n"}[args.format](report)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    else:
-        sys.stdout.write(text)
-    return EXIT_OK if report.conforms else EXIT_FAIL
 
 
 def main(argv=None) -> int:
     # Hypothesis keeps nothing between runs here (database=None); point its home at a
     # throwaway folder so no .hypothesis/ ever appears in the user's directory.
     os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "attn-spec-hypothesis"))
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        return {"check": run_check}[args.command](args)
+        return importlib.import_module(f"attn_spec.commands.{args.command}").run(args)
     except KeyboardInterrupt:
         print("attn-spec: interrupted", file=sys.stderr)
         return 130

@@ -162,8 +162,12 @@ def scale_sqrt_dk(target, case):
     for s in found:
         if not math.isclose(s, expected, rel_tol=tol):
             name = probes.name_scale(s, d_k, d_model)
+            gap = math.sqrt(d_k)  # raw score gap between the probe's two keys
+            got, want = torch.sigmoid(torch.tensor(s * gap, dtype=torch.float64)), torch.sigmoid(torch.tensor(1.0))
             raise Failure(f"the recovered scale is {s:.4g} = {name}, expected {expected:.4g} = 1/sqrt(d_k) "
-                          f"at d_k={d_k}", cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)")
+                          f"at d_k={d_k} (probe: query e_0, keys 0 and sqrt(d_k) e_0; weights shown)",
+                          cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)",
+                          got=torch.stack([1 - got, got])[None], expected=torch.stack([1 - want, want])[None])
 
 
 @prop("cross-attention-shapes", family="shapes",
