@@ -12,21 +12,30 @@ process (the grader) or inside pytest.
 
 Conventions:
 - ``function``: ``attention(Q, K, V, mask=None)``, the seed's function.
+- ``sdpa``: the signature of ``torch.nn.functional.scaled_dot_product_attention``
+  (``attn_mask``, ``dropout_p``, ``is_causal``, ``scale``).
 - ``module``: a class ``Cls(d_model, n_heads)`` with ``nn.Linear`` (no bias) ``W_Q``, ``W_K``,
-  ``W_V``, ``W_O`` and ``forward(x_q [Tq, D], x_kv [Tk, D], mask=None)``. ``attend`` embeds plain
-  attention in it: one head, identity projections, Q scaled by 2^m where D = 4^m * Dk, so that
-  the module's own 1/sqrt(D) becomes exactly 1/sqrt(Dk) with no rounding.
+  ``W_V``, ``W_O`` and ``forward(x_q [Tq, D], x_kv [Tk, D], mask=None)``.
+- ``torch-mha``: ``torch.nn.MultiheadAttention`` (the class, an instance, or a factory).
+- ``adapter``: any other module, through a user-written ``ModuleAdapter`` (module_adapters.py).
+The last three are multi-head modules: ``attend`` embeds plain attention in them with one head,
+identity projections and Q scaled by 2^m where D = 4^m * Dk, so that the module's own
+1/sqrt(D) becomes exactly 1/sqrt(Dk) with no rounding.
 """
 from __future__ import annotations
 
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.loading import user_traceback
+from attn_spec.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
-CONVENTIONS = ("function", "module")
+CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
+FUNCTION_CONVENTIONS = ("function", "sdpa")  # attention on Q, K, V directly
+MULTIHEAD_CONVENTIONS = ("module", "torch-mha", "adapter")  # modules with projections
 PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
 
 
@@ -62,12 +71,19 @@ class Target:
     def __init__(self, obj, name: str):
         self.obj, self.name, self.calls = obj, name, 0
 
-    def attend(self, q, k, v, mask=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False) -> torch.Tensor:
+        """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported)."""
         with torch.no_grad():
-            return self._attend(q, k, v, mask)
+            return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal)
 
-    def _attend(self, q, k, v, mask):
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
         raise NotImplementedError  # sanity check: every convention implements it
+
+    def _no_extra_arguments(self, scale, is_causal):
+        if scale is not None:
+            raise Unsupported(f"the {self.convention} convention takes no scale argument")
+        if is_causal:
+            raise Unsupported(f"the {self.convention} convention takes no is_causal argument")
 
     def vjp(self, q, k, v, mask, grad_out):
         """(out, dQ, dK, dV): the output and the gradients of <out, grad_out> w.r.t. Q, K and V.
@@ -94,51 +110,95 @@ def _attend_shape(q, k, v):
     return tuple(batch) + (q.shape[-2], v.shape[-1])
 
 
+def parameter_names(fn) -> list[str] | None:
+    """The parameter names of ``fn``, from its signature or a builtin's docstring; None if unknown."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        first = (getattr(fn, "__doc__", None) or "").strip().split(")")[0]
+        if "(" not in first:
+            return None
+        return [p.split("=")[0].strip().lstrip("*") for p in first.split("(", 1)[1].split(",") if p.strip()]
+
+
+def positional_capacity(fn) -> float:
+    """How many positional arguments ``fn`` takes (inf for ``*args`` or an unreadable signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return float("inf")
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return float("inf")
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
 class FunctionTarget(Target):
     """``attention(Q, K, V, mask=None) -> out``."""
 
     convention = "function"
 
-    def _attend(self, q, k, v, mask):
+    def __init__(self, obj, name):
+        super().__init__(obj, name)
+        self.takes_mask = positional_capacity(obj) >= 4
+
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
+        self._no_extra_arguments(scale, is_causal)
+        if mask is not None and not self.takes_mask:
+            raise Unsupported("the function takes no mask argument")
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
         args = (q, k, v) if mask is None else (q, k, v, mask)
         return check_output(_call(self.obj, args, call), _attend_shape(q, k, v), call)
 
 
-class ModuleTarget(Target):
-    """``Cls(d_model, n_heads)`` with W_Q, W_K, W_V, W_O and ``forward(x_q, x_kv, mask=None)``."""
+class SdpaTarget(Target):
+    """``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)``."""
 
-    convention = "module"
+    convention = "sdpa"
 
     def __init__(self, obj, name):
         super().__init__(obj, name)
+        self.accepts = set(parameter_names(obj) or ())
+
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
+        kwargs = {}
+        for key, value, default in (("attn_mask", mask, None), ("is_causal", is_causal, False), ("scale", scale, None)):
+            if value is not default and value is not False:
+                if key not in self.accepts:
+                    raise Unsupported(f"{self.name} takes no {key} argument")
+                kwargs[key] = value
+        if "dropout_p" in self.accepts:
+            kwargs["dropout_p"] = 0.0
+        self.calls += 1
+        call = f"{self.name}(q, k, v{''.join(f', {key}=...' for key in kwargs)})"
+        return check_output(_call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), _attend_shape(q, k, v), call)
+
+
+class ModuleTarget(Target):
+    """A multi-head module, driven through a :class:`ModuleAdapter` (build, load weights, call)."""
+
+    def __init__(self, adapter: ModuleAdapter, name: str, convention: str = "module"):
+        super().__init__(adapter, name)
+        self.adapter, self.convention = adapter, convention
         self._modules = {}  # (d_model, n_heads, dtype, device) -> instance; weights are reloaded per call
 
     def _build(self, d_model, n_heads, weights, dtype, device):
         key = (d_model, n_heads, dtype, str(device))
         if key not in self._modules:
-            self._modules[key] = self._construct(d_model, n_heads, dtype, device)
+            call = f"{self.name}({d_model}, {n_heads})"
+            module = _call(self.adapter.build, (d_model, n_heads), call)
+            if hasattr(module, "to"):
+                module = module.to(device=device, dtype=dtype)
+                module.eval()
+            self._modules[key] = module
         module = self._modules[key]
-        with torch.no_grad():
-            for name in PROJECTIONS:
-                getattr(module, name).weight.copy_(weights[name])
-                if getattr(getattr(module, name), "bias", None) is not None:
-                    getattr(module, name).bias.zero_()
-        return module
-
-    def _construct(self, d_model, n_heads, dtype, device):
-        call = f"{self.name}({d_model}, {n_heads})"
-        module = _call(self.obj, (d_model, n_heads), call)
-        for name in PROJECTIONS:
-            layer = getattr(module, name, None)
-            w = getattr(layer, "weight", None)
-            if not isinstance(w, torch.Tensor) or tuple(w.shape) != (d_model, d_model):
-                raise Failure(f"{call}.{name} is not an nn.Linear({d_model}, {d_model})",
-                              cause="the module convention needs W_Q, W_K, W_V, W_O as nn.Linear(d_model, d_model)")
-        if hasattr(module, "to"):
-            module = module.to(device=device, dtype=dtype)
-            module.eval()
+        try:
+            with torch.no_grad():
+                self.adapter.load(module, *(weights[name] for name in PROJECTIONS))
+        except (AttributeError, RuntimeError) as exc:
+            raise Failure(f"cannot load projection weights into {self.name}({d_model}, {n_heads}): {exc}",
+                          cause=f"the {self.convention} convention needs W_Q, W_K, W_V, W_O as "
+                                f"nn.Linear(d_model, d_model) (or an adapter that says where they are)") from None
         return module
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):
@@ -146,25 +206,40 @@ class ModuleTarget(Target):
             return self._multihead(x_q, x_kv, weights, n_heads, mask)
 
     def _multihead(self, x_q, x_kv, weights, n_heads, mask):
+        if self.adapter.self_attention_only and x_q is not x_kv:
+            raise Unsupported(f"{self.name} does self-attention only (no separate x_kv)")
         self.calls += 1
         module = self._build(x_q.shape[-1], n_heads, weights, x_q.dtype, x_q.device)
         call = "forward(x_q, x_kv, mask)" if mask is not None else "forward(x_q, x_kv)"
-        args = (x_q, x_kv) if mask is None else (x_q, x_kv, mask)
-        return check_output(_call(module, args, call), (x_q.shape[0], x_q.shape[-1]), call)
+        out = _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call)
+        return check_output(out, (x_q.shape[0], x_q.shape[-1]), call)
 
-    def _attend(self, q, k, v, mask):
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
+        """Plain attention through the module: one head, projections that select Q, K and V.
+
+        Cross form: x_q = [2^m Q | 0], x_kv = [K | V | 0]. Self-attention-only modules get
+        x = [2^m Q | K | V | 0] for both (n_q must equal n_kv). D = 4^m * d_k, so the module's
+        1/sqrt(D) times the gain 2^m is exactly 1/sqrt(d_k).
+        """
+        self._no_extra_arguments(scale, is_causal)
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         n_q, d_k, n_kv, d_v = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+        self_only = self.adapter.self_attention_only
+        if self_only and n_q != n_kv:
+            raise Unsupported(f"{self.name} does self-attention only (n_q != n_kv needs a separate x_kv)")
+        width = (2 * d_k if self_only else d_k) + d_v  # columns the inputs need
         m = 0
-        while 4**m * d_k < d_k + d_v:
+        while 4**m * d_k < width:
             m += 1
         d_model, gain = 4**m * d_k, 2.0**m  # gain / sqrt(d_model) == 1 / sqrt(d_k), exactly
-        eye = torch.eye(d_model, dtype=q.dtype, device=q.device)  # [D, D]
-        keep_k = torch.zeros(d_model, dtype=q.dtype, device=q.device)
-        keep_k[:d_k] = 1
-        keep_v = torch.zeros_like(keep_k)
-        keep_v[d_k:d_k + d_v] = 1
-        weights = {"W_Q": eye, "W_K": torch.diag(keep_k), "W_V": torch.diag(keep_v), "W_O": eye}
+        k_at, v_at = (d_k, 2 * d_k) if self_only else (0, d_k)  # where K and V sit in the input rows
+        weights = {name: torch.zeros(d_model, d_model, dtype=q.dtype, device=q.device) for name in PROJECTIONS}
+        idx = torch.arange(d_k, device=q.device)
+        weights["W_Q"][idx, idx] = 1  # Q block -> head columns 0:d_k
+        weights["W_K"][idx, k_at + idx] = 1  # K block -> head columns 0:d_k
+        idv = torch.arange(d_v, device=q.device)
+        weights["W_V"][idv, v_at + idv] = 1  # V block -> head columns 0:d_v
+        weights["W_O"] = torch.eye(d_model, dtype=q.dtype, device=q.device)
         q, k, v = q.expand(*batch, n_q, d_k), k.expand(*batch, n_kv, d_k), v.expand(*batch, n_kv, d_v)
         if mask is not None:
             mask = mask.expand(*batch, n_q, n_kv)
@@ -172,18 +247,45 @@ class ModuleTarget(Target):
         for index in (torch.cartesian_prod(*[torch.arange(n) for n in batch]).reshape(-1, len(batch)).tolist()
                       if batch else [[]]):
             index = tuple(index)
-            pad_q = torch.zeros(n_q, d_model - d_k, dtype=q.dtype, device=q.device)
-            pad_kv = torch.zeros(n_kv, d_model - d_k - d_v, dtype=q.dtype, device=q.device)
-            x_q = torch.cat([q[index] * gain, pad_q], dim=-1)  # [Tq, D]
-            x_kv = torch.cat([k[index], v[index], pad_kv], dim=-1)  # [Tk, D]
+            if self_only:
+                x = torch.cat([q[index] * gain, k[index], v[index],
+                               q.new_zeros(n_q, d_model - width)], dim=-1)  # [T, D]
+                x_q = x_kv = x
+            else:
+                x_q = torch.cat([q[index] * gain, q.new_zeros(n_q, d_model - d_k)], dim=-1)  # [Tq, D]
+                x_kv = torch.cat([k[index], v[index], q.new_zeros(n_kv, d_model - width)], dim=-1)  # [Tk, D]
             y = self._multihead(x_q, x_kv, weights, 1, None if mask is None else mask[index])  # [Tq, D]
-            rows.append(y[:, d_k:d_k + d_v])  # [Tq, Dv]
+            rows.append(y[:, :d_v])  # [Tq, Dv]
         return torch.stack(rows).reshape(*batch, n_q, d_v)  # [..., Tq, Dv]
 
 
+def _is_mha(obj) -> bool:
+    mha = torch.nn.MultiheadAttention
+    return isinstance(obj, mha) or (inspect.isclass(obj) and issubclass(obj, mha))
+
+
 def detect_convention(obj) -> str:
-    """A class is a ``module``; any other callable is a ``function``."""
-    return "module" if inspect.isclass(obj) else "function"
+    """The convention of ``obj`` from its type and signature; a usage error when it is ambiguous."""
+    if isinstance(obj, ModuleAdapter) or (inspect.isclass(obj) and issubclass(obj, ModuleAdapter)):
+        return "adapter"
+    if _is_mha(obj):
+        return "torch-mha"
+    if inspect.isclass(obj):
+        return "module"
+    if obj is F.scaled_dot_product_attention:
+        return "sdpa"
+    names = parameter_names(obj)
+    if names is not None and "attn_mask" in names:
+        return "sdpa"
+    if positional_capacity(obj) >= 3 and (names is None or len(names) <= 4 or "mask" in names):
+        return "function"
+    from attn_spec.strategies import KitUsageError
+    raise KitUsageError(
+        f"cannot tell which convention {getattr(obj, '__name__', obj)!r} follows (parameters: {names}). "
+        f"Pick one with --convention (convention= in Python): function = attention(Q, K, V, mask=None); "
+        f"sdpa = fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None); "
+        f"module = Cls(d_model, n_heads) with W_Q, W_K, W_V, W_O; torch-mha = nn.MultiheadAttention or "
+        f"a factory (d_model, n_heads) -> nn.MultiheadAttention; adapter = a ModuleAdapter subclass.")
 
 
 def make_target(obj, name: str | None = None, convention: str | None = None) -> Target:
@@ -192,4 +294,14 @@ def make_target(obj, name: str | None = None, convention: str | None = None) -> 
     if convention not in CONVENTIONS:
         from attn_spec.strategies import KitUsageError
         raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
-    return {"function": FunctionTarget, "module": ModuleTarget}[convention](obj, name)
+    if convention == "function":
+        return FunctionTarget(obj, name)
+    if convention == "sdpa":
+        return SdpaTarget(obj, name)
+    if convention == "module":
+        return ModuleTarget(SeedAdapter(obj), name)
+    if convention == "torch-mha":
+        adapter = TorchMhaAdapter.from_instance(obj, name) if isinstance(obj, torch.nn.Module) \
+            else TorchMhaAdapter(obj, name=name)
+        return ModuleTarget(adapter, name, "torch-mha")
+    return ModuleTarget(obj() if inspect.isclass(obj) else obj, name, "adapter")

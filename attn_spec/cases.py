@@ -101,10 +101,14 @@ class MhaCase:
     device: str = "cpu"
     mask: str = "none"  # "none", "random" or "causal"
     seed: int = 0
+    self_attention: bool = False  # x_kv is x_q (for modules that take one input)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def as_self_attention(self) -> "MhaCase":
+        return replace(self, self_attention=True, n_kv=self.n_q)
 
     def replace(self, **changes) -> "MhaCase":
         return replace(self, **changes)
@@ -127,8 +131,11 @@ class MhaCase:
             return t.to(self.torch_dtype).to(self.device)
 
         weights = {name: cast(w) for name, w in weights.items()}
-        return cast(x_q), cast(x_kv), weights, (None if mask is None else mask.to(self.device))
+        x_q = cast(x_q)
+        x_kv = x_q if self.self_attention else cast(x_kv)
+        return x_q, x_kv, weights, (None if mask is None else mask.to(self.device))
 
     def summary(self) -> str:
-        text = f"x_q [{self.n_q}, {self.d_model}], x_kv [{self.n_kv}, {self.d_model}], {self.n_heads} heads, {self.dtype}, {self.device}"
+        kv = "x_kv = x_q" if self.self_attention else f"x_kv [{self.n_kv}, {self.d_model}]"
+        text = f"x_q [{self.n_q}, {self.d_model}], {kv}, {self.n_heads} heads, {self.dtype}, {self.device}"
         return text + (f", {self.mask} mask" if self.mask != "none" else "")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_spec import strategies
-from attn_spec.adapters import CONVENTIONS
+from attn_spec.adapters import CONVENTIONS, MULTIHEAD_CONVENTIONS
 from attn_spec.cases import Case, MhaCase
 
 REGISTRY: dict[str, "Property"] = {}
@@ -22,7 +22,7 @@ class Property:
     statement: str
     conventions: tuple[str, ...]
     case_options: dict = field(default_factory=dict)  # keyword arguments for the case strategy
-    multihead: bool | str = False  # True: draws MhaCase; a convention name: MhaCase for that one
+    multihead: bool | str = False  # True: draws MhaCase; "module": MhaCase for multi-head conventions
     examples: tuple = ()  # explicit cases, tried first, before anything random
     after: tuple[str, ...] = ()  # properties whose failure explains (blocks) this one
 
@@ -31,7 +31,8 @@ class Property:
         return inspect.getdoc(self.fn) or ""
 
     def uses_multihead(self, convention: str) -> bool:
-        return self.multihead is True or (self.multihead == convention)
+        """True: always MhaCase; "module": MhaCase for every multi-head convention (module, torch-mha, adapter)."""
+        return self.multihead is True or (self.multihead == "module" and convention in MULTIHEAD_CONVENTIONS)
 
     def strategy(self, profile, convention: str, *, dtypes=None, devices=None):
         """The case strategy for one target convention, restricted to the requested dtypes/devices."""

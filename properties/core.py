@@ -12,7 +12,8 @@ from attn_spec import probes, reference
 from attn_spec.cases import Case, MhaCase
 from attn_spec.catalog import prop
 from attn_spec.diagnose import explain_mismatch
-from attn_spec.errors import Failure
+from attn_spec.adapters import MULTIHEAD_CONVENTIONS
+from attn_spec.errors import Failure, Unsupported
 from attn_spec.tolerance import budget, max_error, multihead_budget
 
 
@@ -109,9 +110,19 @@ def permutation_equivariance(target, case):
     gen = torch.Generator().manual_seed(case.seed)
     p, s = torch.randperm(case.n_q, generator=gen), torch.randperm(case.n_kv, generator=gen)
     if isinstance(case, MhaCase):
+        case = _cross_or_self(target, case)
         x_q, x_kv, weights, mask = case.tensors()
         ref = reference.multihead(x_q, x_kv, *weights.values(), case.n_heads, mask)[0]
         allowed = 2 * multihead_budget(x_q, x_kv, weights, case.n_heads, mask, ref)
+        if case.self_attention:  # one input: permuting it must permute the output rows
+            out = target.multihead(x_q, x_q, weights, case.n_heads, mask)  # [T, D]
+            x_p = x_q[p]
+            got = target.multihead(x_p, x_p, weights, case.n_heads, None if mask is None else mask[p][:, p])
+            if max_error(got, out[p].double().cpu()) > allowed:
+                raise Failure(f"permuting the tokens by {p.tolist()} did not just permute the output rows",
+                              cause="outputs depend on token positions (heads split without transpose?)",
+                              got=got, expected=out[p])
+            return
 
         def run(queries, keys, m):  # the keys' rows carry the values too
             return target.multihead(queries, keys, weights, case.n_heads, m)
@@ -190,7 +201,7 @@ def cross_attention_shapes(target, case):
 
 @prop("head-concat-equivalence", family="multi-head",
       statement="multi-head output = concat of per-head single-head attention, times W_O; h=1 is single-head",
-      conventions=("module",), multihead=True,
+      conventions=MULTIHEAD_CONVENTIONS, multihead=True,
       examples=[MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2), MhaCase(n_q=2, n_kv=3, d_model=2, n_heads=1)])
 def head_concat_equivalence(target, case):
     """MHA(x_q, x_kv) = Concat(head_1, ..., head_h) W_O^T, head_i = Attention(x_q W_Q_i^T, x_kv W_K_i^T, x_kv W_V_i^T).
@@ -201,6 +212,7 @@ def head_concat_equivalence(target, case):
     merged with view and no transpose, the scale of the whole width, W_O missing or applied
     per head, heads summed instead of concatenated.
     """
+    case = _cross_or_self(target, case)
     x_q, x_kv, weights, mask = case.tensors()
     got = target.multihead(x_q, x_kv, weights, case.n_heads, mask)  # [Tq, D]
     expected, _ = reference.multihead(x_q, x_kv, *(weights[n] for n in ("W_Q", "W_K", "W_V", "W_O")),
@@ -211,6 +223,20 @@ def head_concat_equivalence(target, case):
         raise Failure(f"output differs from the concatenation of per-head attentions by {err:.3g} "
                       f"(budget {allowed:.1g})", cause=_explain_heads(got, x_q, x_kv, weights, case, mask, allowed),
                       got=got, expected=expected)
+
+
+def _cross_or_self(target, case: MhaCase) -> MhaCase:
+    """The case itself, or its self-attention form for a module that takes a single input."""
+    if case.self_attention:
+        return case
+    x_q, x_kv, weights, _ = case.tensors()
+    try:
+        target.multihead(x_q[:1], x_kv[:1], weights, case.n_heads)
+    except Unsupported:
+        return case.as_self_attention()
+    except Failure:
+        pass  # a real failure shows up in the property's own call
+    return case
 
 
 def _explain_heads(got, x_q, x_kv, weights, case, mask, allowed):

@@ -1,0 +1,75 @@
+"""Properties of the keyword arguments some attentions take: ``scale`` and ``is_causal`` (the sdpa convention).
+
+A target that does not take an argument skips the property with that reason.
+"""
+from __future__ import annotations
+
+import math
+
+from attn_spec import reference
+from attn_spec.cases import Case
+from attn_spec.catalog import prop
+from attn_spec.errors import Failure
+from attn_spec.tolerance import budget, max_error
+
+SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch's tests use
+
+
+@prop("scale-argument", family="scale",
+      statement="an explicit scale s gives softmax(s * Q K^T) V, for any float s including negative ones",
+      cases={"masks": ("none", "random")}, after=("matches-reference",),
+      examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, seed=1), Case(n_q=2, n_kv=2, d_k=2, d_v=2, seed=2)])
+def scale_argument(target, case):
+    """attn(Q, K, V, scale=s) = softmax(s Q K^T) V; the default 1/sqrt(d_k) applies only when s is None.
+
+    Why: models with their own scaling (muP, scaled-by-layer GPT-2, MLA) pass ``scale``, and
+    a kernel that ignores it trains a different model without any error. Catches: the
+    argument ignored, scale applied on top of the default, sqrt(s) split between Q and K
+    (NaN for s < 0), a scale of 0 or None taken literally.
+    """
+    q, k, v, mask = case.tensors()
+    s = SCALES[case.seed % len(SCALES)] or 1.0 / case.d_k
+    got = target.attend(q, k, v, mask, scale=s)  # [..., Tq, Dv]
+    expected, _ = reference.attention(q, k, v, mask, scale=s)  # [..., Tq, Dv]
+    allowed = budget(q, k, v, mask, expected, scale=s)
+    err = max_error(got, expected)
+    if err > allowed:
+        default, _ = reference.attention(q, k, v, mask)
+        both, _ = reference.attention(q, k, v, mask, scale=s / math.sqrt(case.d_k))
+        cause = ("the scale argument is ignored (the default 1/sqrt(d_k) is used)"
+                 if max_error(got, default) <= allowed
+                 else "the default 1/sqrt(d_k) is applied on top of the given scale"
+                 if max_error(got, both) <= allowed
+                 else "a negative scale breaks the computation (sqrt(scale) split between Q and K?)"
+                 if s < 0 else "the given scale is not applied to Q K^T as a single factor")
+        raise Failure(f"with scale={s:.4g} the max error is {err:.3g}, budget {allowed:.3g}", cause=cause,
+                      got=got, expected=expected)
+
+
+@prop("is-causal", family="masking",
+      statement="is_causal=True equals a causal mask (top-left or bottom-right aligned, reported when n_q != n_kv)",
+      cases={"masks": ("none",)}, after=("causal-mask", "matches-reference"),
+      examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2), Case(n_q=2, n_kv=4, d_k=2, d_v=1, seed=1)])
+def is_causal(target, case):
+    """attn(Q, K, V, is_causal=True) = attn(Q, K, V, mask = [j <= i + offset]).
+
+    offset = 0 (top-left, PyTorch's ``is_causal``) or n_kv - n_q (bottom-right, FlashAttention
+    >= 2.1, KV-cache decoding); for square inputs both are the usual lower triangle. Which one
+    a target uses is a convention, reported in the header; either passes here. Catches: the
+    flag ignored, an off-by-one triangle, a triangle built for square shapes only.
+    """
+    q, k, v, _ = case.tensors()
+    got = target.attend(q, k, v, None, is_causal=True)  # [..., Tq, Dv]
+    candidates = {}
+    for alignment in ("top-left", "bottom-right"):
+        mask = reference.causal_mask(case.n_q, case.n_kv, alignment=alignment)  # [Tq, Tk]
+        expected, _ = reference.attention(q, k, v, mask)
+        candidates[alignment] = (max_error(got, expected), budget(q, k, v, mask, expected), expected)
+    if any(err <= allowed for err, allowed, _ in candidates.values()):
+        return
+    err, allowed, expected = candidates["top-left"]
+    no_mask, _ = reference.attention(q, k, v)
+    cause = ("is_causal is ignored" if max_error(got, no_mask) <= allowed
+             else "the causal triangle is off by one or misaligned")
+    raise Failure(f"is_causal=True matches neither causal alignment (error {err:.3g}, budget {allowed:.3g})",
+                  cause=cause, got=got, expected=expected)
