@@ -11,6 +11,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 __version__ = "0.1.0"
 
-from attn_spec.runner import check, reproduce  # noqa: E402
-
 __all__ = ["__version__", "check", "reproduce"]
+
+
+def __getattr__(name):  # PEP 562: `import attn_spec` stays cheap (the pytest plugin imports it in every run)
+    if name in ("check", "reproduce"):
+        from attn_spec import runner
+        return getattr(runner, name)
+    raise AttributeError(f"module 'attn_spec' has no attribute {name!r}")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.loading import user_traceback
+from attn_spec.loading import spec_of, user_traceback
 from attn_spec.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
 CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
@@ -81,9 +81,9 @@ class Target:
 
     def _no_extra_arguments(self, scale, is_causal):
         if scale is not None:
-            raise Unsupported(f"the {self.convention} convention takes no scale argument")
+            raise Unsupported(f"the {self.convention} convention takes no scale argument", total=True)
         if is_causal:
-            raise Unsupported(f"the {self.convention} convention takes no is_causal argument")
+            raise Unsupported(f"the {self.convention} convention takes no is_causal argument", total=True)
 
     def vjp(self, q, k, v, mask, grad_out):
         """(out, dQ, dK, dV): the output and the gradients of <out, grad_out> w.r.t. Q, K and V.
@@ -96,17 +96,24 @@ class Target:
             out = self._attend(*leaves, mask)
             if not out.requires_grad:
                 raise Unsupported("no autograd: the output is not differentiable in Q, K, V "
-                                  "(computed under no_grad, detached, or outside torch)")
+                                  "(computed under no_grad, detached, or outside torch)", total=True)
             grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
         return (out.detach(), *grads)
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None) -> torch.Tensor:
-        raise Unsupported(f"the {self.convention} convention has no multi-head projections to compare")
+        raise Unsupported(f"the {self.convention} convention has no multi-head projections to compare", total=True)
+
+
+def _grouped(q, k) -> bool:
+    """Grouped-query attention: K/V have Hkv heads on dim -3 and Q has g * Hkv (g > 1)."""
+    return q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0
 
 
 def _attend_shape(q, k, v):
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    """[..., Tq, Dv]: leading dims broadcast; grouped K/V heads count as Q's heads."""
+    kv = [t.shape[:-3] + q.shape[-3:-2] if _grouped(q, t) else t.shape[:-2] for t in (k, v)]
+    batch = torch.broadcast_shapes(q.shape[:-2], *kv)
     return tuple(batch) + (q.shape[-2], v.shape[-1])
 
 
@@ -144,7 +151,7 @@ class FunctionTarget(Target):
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
         self._no_extra_arguments(scale, is_causal)
         if mask is not None and not self.takes_mask:
-            raise Unsupported("the function takes no mask argument")
+            raise Unsupported("the function takes no mask argument", total=True)
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
         args = (q, k, v) if mask is None else (q, k, v, mask)
@@ -165,10 +172,12 @@ class SdpaTarget(Target):
         for key, value, default in (("attn_mask", mask, None), ("is_causal", is_causal, False), ("scale", scale, None)):
             if value is not default and value is not False:
                 if key not in self.accepts:
-                    raise Unsupported(f"{self.name} takes no {key} argument")
+                    raise Unsupported(f"{self.name} takes no {key} argument", total=True)
                 kwargs[key] = value
         if "dropout_p" in self.accepts:
             kwargs["dropout_p"] = 0.0
+        if "enable_gqa" in self.accepts and _grouped(q, k):
+            kwargs["enable_gqa"] = True
         self.calls += 1
         call = f"{self.name}(q, k, v{''.join(f', {key}=...' for key in kwargs)})"
         return check_output(_call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), _attend_shape(q, k, v), call)
@@ -205,11 +214,12 @@ class ModuleTarget(Target):
         with torch.no_grad():
             return self._multihead(x_q, x_kv, weights, n_heads, mask)
 
-    def _multihead(self, x_q, x_kv, weights, n_heads, mask):
-        if self.adapter.self_attention_only and x_q is not x_kv:
+    def _multihead(self, x_q, x_kv, weights, n_heads, mask, module=None):
+        if self.adapter.self_attention_only and not (x_q is x_kv or (x_q.shape == x_kv.shape and torch.equal(x_q, x_kv))):
             raise Unsupported(f"{self.name} does self-attention only (no separate x_kv)")
         self.calls += 1
-        module = self._build(x_q.shape[-1], n_heads, weights, x_q.dtype, x_q.device)
+        if module is None:
+            module = self._build(x_q.shape[-1], n_heads, weights, x_q.dtype, x_q.device)
         call = "forward(x_q, x_kv, mask)" if mask is not None else "forward(x_q, x_kv)"
         out = _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call)
         return check_output(out, (x_q.shape[0], x_q.shape[-1]), call)
@@ -243,6 +253,7 @@ class ModuleTarget(Target):
         q, k, v = q.expand(*batch, n_q, d_k), k.expand(*batch, n_kv, d_k), v.expand(*batch, n_kv, d_v)
         if mask is not None:
             mask = mask.expand(*batch, n_q, n_kv)
+        module = self._build(d_model, 1, weights, q.dtype, q.device)  # loaded once: a vjp's graph saves the weights
         rows = []
         for index in (torch.cartesian_prod(*[torch.arange(n) for n in batch]).reshape(-1, len(batch)).tolist()
                       if batch else [[]]):
@@ -254,7 +265,7 @@ class ModuleTarget(Target):
             else:
                 x_q = torch.cat([q[index] * gain, q.new_zeros(n_q, d_model - d_k)], dim=-1)  # [Tq, D]
                 x_kv = torch.cat([k[index], v[index], q.new_zeros(n_kv, d_model - width)], dim=-1)  # [Tk, D]
-            y = self._multihead(x_q, x_kv, weights, 1, None if mask is None else mask[index])  # [Tq, D]
+            y = self._multihead(x_q, x_kv, weights, 1, None if mask is None else mask[index], module)  # [Tq, D]
             rows.append(y[:, :d_v])  # [Tq, Dv]
         return torch.stack(rows).reshape(*batch, n_q, d_v)  # [..., Tq, Dv]
 
@@ -289,7 +300,7 @@ def detect_convention(obj) -> str:
 
 
 def make_target(obj, name: str | None = None, convention: str | None = None) -> Target:
-    name = name or getattr(obj, "__qualname__", None) or type(obj).__name__
+    name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
     convention = convention or detect_convention(obj)
     if convention not in CONVENTIONS:
         from attn_spec.strategies import KitUsageError

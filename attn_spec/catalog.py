@@ -1,12 +1,13 @@
 """The property registry: ``@prop`` turns one small function into a catalog entry."""
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_spec import strategies
-from attn_spec.adapters import CONVENTIONS, MULTIHEAD_CONVENTIONS
+from attn_spec.adapters import CONVENTIONS, MULTIHEAD_CONVENTIONS, Target, make_target
 from attn_spec.cases import Case, MhaCase
 
 REGISTRY: dict[str, "Property"] = {}
@@ -51,7 +52,8 @@ class Property:
         return [ex for ex in self.examples if isinstance(ex, kind)]
 
     def __call__(self, target, case):
-        return self.fn(target, case)
+        """Check one case; ``target`` is an adapter or the user's own function/module (wrapped here)."""
+        return self.fn(target if isinstance(target, Target) else make_target(target), case)
 
 
 def prop(id: str, *, family: str, statement: str, conventions=CONVENTIONS, cases=None,
@@ -61,9 +63,14 @@ def prop(id: str, *, family: str, statement: str, conventions=CONVENTIONS, cases
     def register(fn):
         if id in REGISTRY:
             raise ValueError(f"property id {id!r} is registered twice")  # sanity check
-        REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
-                                multihead, tuple(examples), tuple(after))
-        fn.property_id = id
-        return fn
+        entry = REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
+                                        multihead, tuple(examples), tuple(after))
+
+        @functools.wraps(fn)
+        def check_case(target, case):  # properties.rows_sum_to_one(my_attention, case) works too
+            return entry(target, case)
+
+        check_case.property_id = id
+        return check_case
 
     return register

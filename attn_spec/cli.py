@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-import tempfile
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+EPILOG = """\
+Examples:
+  attn-spec check examples/seed_attention.py:attention
+  attn-spec check torch.nn.functional:scaled_dot_product_attention --profile thorough
+  attn-spec COMMAND --help
+
+Exit status: 0 success (every target conforms), 1 a property fails, 2 usage error.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     from attn_spec import __version__
     from attn_spec.commands import COMMANDS
 
-    parser = argparse.ArgumentParser(prog="attn-spec", description="Property-based conformance checks for attention.")
+    parser = argparse.ArgumentParser(prog="attn-spec", description="Property-based conformance checks for attention.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"attn-spec {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
@@ -27,9 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    # Hypothesis keeps nothing between runs here (database=None); point its home at a
-    # throwaway folder so no .hypothesis/ ever appears in the user's directory.
-    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "attn-spec-hypothesis"))
     args = build_parser().parse_args(argv)
     try:
         return importlib.import_module(f"attn_spec.commands.{args.command}").run(args)

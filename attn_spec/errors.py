@@ -24,7 +24,15 @@ class TargetRaised(Failure):
 
 
 class Unsupported(Exception):
-    """The target declared (NotImplementedError) or lacks a capability a property needs: a skip."""
+    """The target declared (NotImplementedError) or lacks a capability a property needs.
+
+    ``total``: the target never does this (it takes no such argument), so the property is a
+    skip; otherwise only this input is outside what the target handles and is passed over.
+    """
+
+    def __init__(self, message: str, *, total: bool = False):
+        super().__init__(message)
+        self.total = total
 
 
 class TargetLoadError(Exception):

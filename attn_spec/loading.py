@@ -48,6 +48,8 @@ def _import(where: str):
         if not path.is_file():
             raise TargetLoadError(f"Cannot load target: no file {where!r} (looked for {path}). {FORMAT_HINT}")
         return _import_file(path)
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)  # as with `python -m`: modules in the current directory are importable
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as exc:
@@ -55,6 +57,8 @@ def _import(where: str):
             raise TargetLoadError(f"Cannot load target: no module named {exc.name!r} "
                                   f"(is it installed, or on PYTHONPATH?). {FORMAT_HINT}") from None
         raise
+    finally:
+        sys.path.remove(cwd)
 
 
 def load_target(spec: str):
@@ -83,5 +87,18 @@ def load_target(spec: str):
                                   f"Callables it defines: {', '.join(names) or 'none'}.")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TargetLoadError(f"Cannot load target {spec!r}: it is a {type(obj).__name__}, not a function or class.")
+        kind = type(obj).__name__
+        raise TargetLoadError(f"Cannot load target {spec!r}: it is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
+                              f"not a function or class.")
     return obj
+
+
+def spec_of(obj) -> str | None:
+    """A TARGET string that loads ``obj`` again (file path for files loaded by the kit), or None."""
+    qualname, module = getattr(obj, "__qualname__", None), sys.modules.get(getattr(obj, "__module__", "") or "")
+    if qualname is None or module is None or "<locals>" in qualname:
+        return None
+    if module.__name__.startswith("attn_spec_target_") or module.__name__ == "__main__":
+        where = getattr(module, "__file__", None)
+        return f"{where}:{qualname}" if where else None
+    return f"{module.__name__}:{qualname}"

@@ -46,18 +46,18 @@ def scale_function(target, d_k: int, dtype=torch.float64, device="cpu") -> float
 def scale_module(target, d_head: int, n_heads: int, dtype=torch.float64, device="cpu") -> list[float]:
     """The scale each head of a multi-head module applies, with identity projections.
 
-    In every head, the query is that head's first unit vector and key 1 is g times it
-    (g = sqrt(d_head)), key 0 is zero; with W_V = W_O = I the output reads g * w per head.
+    Self-attention over two tokens, a e_0 and b e_0 in every head's first column (a = 1,
+    b = 1 + g, g = sqrt(d_head)): token 0's raw scores are a^2 and ab, a gap of g, so a correct
+    head puts weight w = sigmoid(1) on token 1, and with W_V = W_O = I token 0's output in
+    that column is a + w (b - a) = 1 + w g. Self-attention form, so one-input modules work too.
     """
     d_model, g = d_head * n_heads, math.sqrt(d_head)
     eye = torch.eye(d_model, dtype=dtype, device=device)  # [D, D]
     first = torch.arange(n_heads) * d_head  # first column of each head
-    x_q = torch.zeros(1, d_model, dtype=dtype, device=device)  # [Tq=1, D]
-    x_q[0, first] = 1
-    x_kv = torch.zeros(2, d_model, dtype=dtype, device=device)  # [Tk=2, D]
-    x_kv[1, first] = g
-    out = target.multihead(x_q, x_kv, dict.fromkeys(("W_Q", "W_K", "W_V", "W_O"), eye), n_heads)  # [1, D]
-    return [_logit(w / g) / g for w in out[0, first].tolist()]
+    x = torch.zeros(2, d_model, dtype=dtype, device=device)  # [T=2, D]
+    x[0, first], x[1, first] = 1.0, 1.0 + g
+    out = target.multihead(x, x, dict.fromkeys(("W_Q", "W_K", "W_V", "W_O"), eye), n_heads)  # [2, D]
+    return [_logit((y - 1.0) / g) / g for y in out[0, first].tolist()]
 
 
 def _logit(w: float) -> float:

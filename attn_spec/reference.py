@@ -81,10 +81,10 @@ class MultiHeadAttention(torch.nn.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads = n_heads
-        self.W_Q = torch.nn.Linear(d_model, d_model, bias=False)
-        self.W_K = torch.nn.Linear(d_model, d_model, bias=False)
-        self.W_V = torch.nn.Linear(d_model, d_model, bias=False)
-        self.W_O = torch.nn.Linear(d_model, d_model, bias=False)  # mixes the concatenated heads
+        self.W_Q = torch.nn.Linear(d_model, d_model, bias=False, dtype=F64)
+        self.W_K = torch.nn.Linear(d_model, d_model, bias=False, dtype=F64)
+        self.W_V = torch.nn.Linear(d_model, d_model, bias=False, dtype=F64)
+        self.W_O = torch.nn.Linear(d_model, d_model, bias=False, dtype=F64)  # mixes the concatenated heads
 
     def forward(self, x_q, x_kv, mask=None):
         W = (self.W_Q.weight, self.W_K.weight, self.W_V.weight, self.W_O.weight)

@@ -21,10 +21,11 @@ class PropertyResult:
     examples: int = 0
     seconds: float = 0.0
     blocked_by: str | None = None
+    expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
 
     def to_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
-                "blocked_by": self.blocked_by, "counterexample": self.counterexample,
+                "blocked_by": self.blocked_by, "expected": self.expected, "counterexample": self.counterexample,
                 "examples": self.examples, "seconds": round(self.seconds, 4)}
 
 
@@ -34,14 +35,16 @@ class TargetReport:
     convention: str
     properties: list[PropertyResult] = field(default_factory=list)
     calls: int = 0
+    conventions: dict = field(default_factory=dict)  # probed behaviours (attn_spec.conventions), key -> value
 
     @property
     def conforms(self) -> bool:
-        return all(p.status in ("pass", "skip") for p in self.properties)
+        return all(p.status in ("pass", "skip") or p.expected for p in self.properties)
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
-                "calls": self.calls, "properties": [p.to_dict() for p in self.properties]}
+                "calls": self.calls, "conventions": dict(self.conventions),
+                "properties": [p.to_dict() for p in self.properties]}
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Report:
     torch_version: str = torch.__version__
     devices: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. stale lines of an expectations file
 
     @property
     def conforms(self) -> bool:
@@ -61,7 +65,8 @@ class Report:
     def to_dict(self) -> dict:
         return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
                 "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
-                "conforms": self.conforms, "targets": [t.to_dict() for t in self.targets]}
+                "conforms": self.conforms, "warnings": list(self.warnings),
+                "targets": [t.to_dict() for t in self.targets]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -74,6 +79,11 @@ class Report:
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the self-contained HTML report with heatmaps (attn_spec.html)."""
+        from attn_spec.html import to_html
+        return to_html(self)
 
 
 def tensor_to_data(t, limit: int = 256):
@@ -112,10 +122,12 @@ def side_by_side(left: str, right: str, titles=("got", "expected"), gap: int = 4
 def _summary_rows(target: TargetReport):
     for p in target.properties:
         verdict = p.status if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
+        verdict += " (expected)" if p.expected else ""
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
 
 
-def _failure_section(p: PropertyResult, markdown: bool) -> str:
+def failure_section(p: PropertyResult, markdown: bool) -> str:
+    """One failure as a lesson: statement, what happened, likely cause, counterexample, reproduction."""
     lines = []
     head = f"{p.id}: {p.statement}" if p.statement else p.id
     lines.append(f"### ✗ {head}" if markdown else f"✗ {head}")
@@ -142,10 +154,13 @@ def render(report: Report, *, markdown: bool) -> str:
               f"torch {report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
     out.append(f"# Conformance report\n\n{header}" if markdown else header)
     for t in report.targets:
-        failed = [p for p in t.properties if p.status in ("fail", "error")]
+        failed = [p for p in t.properties if p.status in ("fail", "error") and not p.expected]
         verdict = "CONFORMS" if t.conforms else f"DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)"
         title = f"{t.target} ({t.convention} convention): {verdict}"
         out.append(f"\n## {title}\n" if markdown else f"\n{title}")
+        if t.conventions:
+            line = "conventions: " + ", ".join(f"{key}={value}" for key, value in t.conventions.items())
+            out.append(f"{line}\n" if markdown else line)
         out.append(tabulate(list(_summary_rows(t)), headers=["property", "verdict", "examples", "time"],
                             tablefmt="github" if markdown else "simple"))
         skipped = [p for p in t.properties if p.status == "skip"]
@@ -156,5 +171,6 @@ def render(report: Report, *, markdown: bool) -> str:
                 out.append(f"\n{'- ' if markdown else ''}{p.id} is blocked by {p.blocked_by}: fix that first "
                            f"({p.message})")
             else:
-                out.append("\n" + _failure_section(p, markdown))
+                out.append("\n" + failure_section(p, markdown))
+    out += [f"\n{'- ' if markdown else ''}warning: {w}" for w in report.warnings]
     return "\n".join(out) + "\n"

@@ -1,19 +1,26 @@
 """Run the catalog against a target with Hypothesis and collect a Report."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import random
+import tempfile
 import time
 import traceback
 
+import hypothesis.configuration as hypothesis_configuration
+import torch
 from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis.errors import Flaky
+from hypothesis import reject
+from hypothesis.errors import Flaky, Unsatisfiable
 
 from attn_spec import __version__
 from attn_spec.adapters import Target, make_target
 from attn_spec.cases import DTYPES, available_devices
 from attn_spec.catalog import REGISTRY, Property
+from attn_spec.conventions import parse_requirements, probe_conventions
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.report import PropertyResult, Report, TargetReport, format_matrix, tensor_to_data
 from attn_spec.strategies import KitUsageError, get_profile
@@ -48,7 +55,24 @@ def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> 
           "seed": seed, "reproduce": _snippet(prop, case, target.name, target.convention, seed)}
     if isinstance(failure, TargetRaised):
         ce["traceback"] = failure.user_traceback
+    mask = case.tensors()[-1] if case.mask != "none" and isinstance(failure.got, torch.Tensor) else None
+    if mask is not None and mask.dtype == torch.bool and mask.shape[-2:] == failure.got.shape[-2:]:
+        with contextlib.suppress(RuntimeError):  # batch dims that do not broadcast: no mask shown
+            ce["mask"] = tensor_to_data(mask.expand(failure.got.shape))  # True = may attend, for the heatmaps
     return ce
+
+
+@contextlib.contextmanager
+def _hypothesis_home_elsewhere():
+    """Hypothesis caches files under its home (./.hypothesis by default); while the kit runs, that
+    home is a temporary folder, so nothing appears in the user's directory. Restored afterwards,
+    so a user's own Hypothesis tests in the same session keep theirs."""
+    previous = getattr(hypothesis_configuration, "__hypothesis_home_directory", None)
+    hypothesis_configuration.set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "attn-spec-hypothesis"))
+    try:
+        yield
+    finally:
+        hypothesis_configuration.set_hypothesis_home_dir(previous)
 
 
 def run_property(prop: Property, target: Target, *, profile: str, seed: int, dtypes, devices) -> PropertyResult:
@@ -58,19 +82,25 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.status, result.message = "skip", f"does not apply to the {target.convention} convention"
         return result
     prof = get_profile(profile)
-    skip_reason = []
+    unsupported = []  # reasons the target gave for inputs it does not handle
+    supported = [0]  # examples the target did handle
+    GIVE_UP = 40  # unsupported inputs in a row, none supported: the property is a skip
 
     def body(case):
-        if skip_reason:
-            return
+        if unsupported and (unsupported[-1].total or (len(unsupported) >= GIVE_UP and not supported[0])):
+            return  # nothing left to learn: let Hypothesis run out its budget for free
         result.examples += 1
         try:
             prop.fn(target, case)
-        except Unsupported as exc:
-            skip_reason.append(str(exc))
+        except Unsupported as exc:  # not a failure: this input is outside what the target declares
+            unsupported.append(exc)
+            if not exc.total:
+                reject()
+            return
         except BaseException as exc:
             exc.attn_case = case
             raise
+        supported[0] += 1
 
     test = given(prop.strategy(prof, target.convention, dtypes=dtypes, devices=devices))(body)
     for case in reversed(prop.examples_for(target.convention)):
@@ -81,10 +111,13 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet)(test)
     start = time.perf_counter()
     try:
-        hypothesis_seed(seed)(test)()
+        with _hypothesis_home_elsewhere():
+            hypothesis_seed(seed)(test)()
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
         result.counterexample = _counterexample(prop, failure, failure.attn_case, target, seed)
+    except Unsatisfiable:
+        pass  # every input was unsupported: reported as a skip below
     except Flaky as exc:
         result.status = "fail"
         result.message = f"the target gave different results for the same input ({type(exc).__name__})"
@@ -93,8 +126,11 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.status = "error"
         result.message = f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.seconds = time.perf_counter() - start
-    if skip_reason and result.status == "pass":
-        result.status, result.message = "skip", skip_reason[0]
+    if unsupported and result.status == "pass":
+        if supported[0]:
+            result.message = f"checked on {supported[0]} supported inputs; others skipped: {unsupported[0]}"
+        else:
+            result.status, result.message = "skip", str(unsupported[0])
     return result
 
 
@@ -107,35 +143,51 @@ def _mark_blocked(results: list[PropertyResult]) -> None:
             r.blocked_by = blockers[0] if blockers else None
 
 
+def _required_conventions(found: dict, required: dict) -> list[PropertyResult]:
+    """One result per required convention: a pass, or a failure saying what was required and found."""
+    results = []
+    for key, value in required.items():
+        result = PropertyResult(f"convention:{key}", "pass", statement=f"required: {key}={value}")
+        if found.get(key) != value:
+            result.status = "fail"
+            result.message = f"required {key}={value}, found {key}={found.get(key, 'not probed')}"
+        results.append(result)
+    return results
+
+
 def check_target(target: Target, *, profile="default", seed=0, only=None, skip=None, dtypes=None,
-                 devices=None, progress=None) -> TargetReport:
+                 devices=None, progress=None, require=None) -> TargetReport:
     props = select(only, skip)
     report = TargetReport(target.name, target.convention)
+    dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
+    report.conventions = probe_conventions(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
     for i, prop in enumerate(props):
         if progress:
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
         report.properties.append(run_property(prop, target, profile=profile, seed=seed,
-                                              dtypes=dtypes or list(DTYPES), devices=devices or available_devices()))
+                                              dtypes=dtypes, devices=devices))
     _mark_blocked(report.properties)
+    report.properties.extend(_required_conventions(report.conventions, parse_requirements(require)))
     report.calls = target.calls
     return report
 
 
 def check(*targets, name=None, convention=None, profile="default", seed=None, only=None, skip=None,
-          dtypes=None, devices=None, progress=None) -> Report:
+          dtypes=None, devices=None, progress=None, require=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
     >>> report.conforms, print(report)
     """
     get_profile(profile)
+    parse_requirements(require)  # a usage error before any work
     seed = random.randrange(2**32) if seed is None else seed
     dtypes, devices = list(dtypes or DTYPES), list(devices or available_devices())
     reports = []
     for obj in targets:
         target = obj if isinstance(obj, Target) else make_target(obj, name if len(targets) == 1 else None, convention)
         reports.append(check_target(target, profile=profile, seed=seed, only=only, skip=skip, dtypes=dtypes,
-                                    devices=devices, progress=progress))
+                                    devices=devices, progress=progress, require=require))
     return Report(reports, __version__, profile, seed, devices=devices, dtypes=dtypes)
 
 

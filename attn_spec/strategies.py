@@ -47,7 +47,10 @@ PROFILES = {
 
 
 class KitUsageError(ValueError):
-    """A caller asked for something impossible (an unknown profile, dtype or device)."""
+    """A caller asked for something impossible (an unknown profile, dtype, device or mask kind)."""
+
+
+MASK_KINDS = ("none", "random", "causal")
 
 
 def get_profile(name: str) -> Profile:
@@ -88,6 +91,7 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     dtypes = _checked(dtypes, DTYPES, "dtypes")
     devices = _checked(devices or available_devices(), available_devices(), "devices")
+    masks = _checked(masks, MASK_KINDS, "masks")
     length, dim = sizes(prof.small, prof.lengths), sizes(prof.small, prof.dims)
     batch_dims = st.lists(st.integers(1, 3), max_size=prof.max_batch_dims if batch else 0).map(tuple)
 
@@ -116,6 +120,7 @@ def mha_cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devic
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     dtypes = _checked(dtypes, DTYPES, "dtypes")
     devices = _checked(devices or available_devices(), available_devices(), "devices")
+    masks = _checked(masks, MASK_KINDS, "masks")
     length = sizes(prof.small, prof.lengths[:2])
     return st.builds(
         lambda n_q, n_kv, d_head, n_heads, **kw: MhaCase(n_q=n_q, n_kv=n_kv, d_model=d_head * n_heads,

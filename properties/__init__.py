@@ -2,17 +2,38 @@
 
 Each property is one function ``fn(target, case)`` that returns when the property holds and
 raises :class:`attn_spec.errors.Failure` with a diagnosis when it does not. ``target`` is an
-adapter from :mod:`attn_spec.adapters`; ``case`` a :class:`attn_spec.cases.Case`.
+adapter from :mod:`attn_spec.adapters` or your own function or module (wrapped with
+``make_target``); ``case`` a :class:`attn_spec.cases.Case`.
 
     >>> from attn_spec import properties
     >>> properties.REGISTRY["rows-sum-to-one"].statement
     'every row of weights is a distribution over the keys: non-negative, sums to 1'
+
+In your own tests, check one case, or run one property with Hypothesis (an AssertionError
+carrying the lesson when it does not hold; returns the result, status "pass" or "skip"):
+
+    >>> from attn_spec.cases import Case
+    >>> properties.rows_sum_to_one(my_attention, Case(n_q=3, n_kv=2, d_k=2, d_v=2))
+    >>> properties.check_property("scale-sqrt-dk", my_attention, profile="quick", seed=0)
 """
 from attn_spec.catalog import REGISTRY, Property
-from attn_spec.properties.arguments import is_causal, scale_argument
-from attn_spec.properties.core import (causal_mask, cross_attention_shapes, head_concat_equivalence,
+from attn_spec.pytest_plugin import check_property
+
+# Import order is catalog order: the basic, decisive properties first.
+from attn_spec.properties.core import (causal_mask, cross_attention_shapes, head_concat_equivalence,  # noqa: I001
                                        matches_reference, permutation_equivariance, rows_sum_to_one,
                                        scale_sqrt_dk)
+from attn_spec.properties.masking import batch_independence, mask_semantics
+from attn_spec.properties.numerics import key_shift_invariance, numerical_stability, value_linearity
+from attn_spec.properties.robustness import (determinism, dtype_device, gqa_equivalence, inputs_unchanged,
+                                             long_sequences, non_contiguous)
+from attn_spec.properties.gradients import gradients
+from attn_spec.properties.arguments import is_causal, scale_argument
+from attn_spec.properties.devices import devices_agree
 
-__all__ = ["REGISTRY", "Property", "is_causal", "scale_argument", "causal_mask", "cross_attention_shapes", "head_concat_equivalence",
-           "matches_reference", "permutation_equivariance", "rows_sum_to_one", "scale_sqrt_dk"]
+__all__ = ["REGISTRY", "Property", "check_property",
+           "rows_sum_to_one", "causal_mask", "permutation_equivariance", "scale_sqrt_dk", "cross_attention_shapes",
+           "head_concat_equivalence", "matches_reference", "mask_semantics", "batch_independence",
+           "value_linearity", "key_shift_invariance", "numerical_stability", "determinism", "inputs_unchanged",
+           "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
+           "scale_argument", "is_causal", "devices_agree"]

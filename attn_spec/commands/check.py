@@ -1,9 +1,11 @@
 """``attn-spec check TARGET [TARGET ...]``: run the catalog and print a conformance report."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
+from attn_spec.ci import Expectations, github_annotations, to_junit
 from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 
 CHECK_EPILOG = """\
@@ -12,6 +14,9 @@ Examples:
   attn-spec check mypkg.attn:MultiHeadAttention --profile thorough
   attn-spec check my.py:attention --only scale-sqrt-dk causal-mask --seed 42
   attn-spec check my.py:attention --format json --output report.json
+  attn-spec check my.py:attention --format junit --output conformance.xml --expect known-failures.txt
+  attn-spec check torch.nn.functional:scaled_dot_product_attention --dtypes float32 --device cpu
+  attn-spec check my.py:attention --require fully-masked=zeros mask-polarity=true-attends
 
 Exit status: 0 every target conforms, 1 a property fails, 2 usage error or a target
 that cannot be loaded.
@@ -36,7 +41,18 @@ def add_parser(commands) -> None:
     check.add_argument("--seed", type=int, help="seed for a reproducible run (default: random, printed in the report)")
     check.add_argument("--only", nargs="+", type=_ids, default=[], metavar="ID", help="run only these property ids")
     check.add_argument("--skip", nargs="+", type=_ids, default=[], metavar="ID", help="skip these property ids")
-    check.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="report format")
+    check.add_argument("--require", nargs="+", type=_ids, default=[], metavar="KEY=VALUE",
+                       help="fail unless the target has this convention, e.g. fully-masked=zeros "
+                            "(keys: fully-masked, mask-polarity, masked-nan, causal-alignment, weights-returned)")
+    check.add_argument("--dtypes", nargs="+", type=_ids, default=[], metavar="DTYPE",
+                       help="check only these dtypes (float64 float32 float16 bfloat16; default all)")
+    check.add_argument("--device", choices=("cpu", "cuda", "mps", "all"), default="all",
+                       help="check on this device, or on every available one (default); with several, "
+                            "outputs must also agree across devices")
+    check.add_argument("--expect", metavar="FILE", help="properties known to fail or skip, one id per line with a "
+                       "# comment: they do not fail the run; stale lines are reported")
+    check.add_argument("--format", choices=("text", "markdown", "json", "junit", "html"), default="text",
+                       help="report format (html: self-contained, with heatmaps of the counterexamples)")
     check.add_argument("--output", metavar="FILE", help="write the report to FILE instead of stdout")
 
 
@@ -73,22 +89,46 @@ def run(args) -> int:
     for spec in args.targets:
         try:
             targets.append(make_target(load_target(spec), spec, args.convention))
-        except TargetLoadError as exc:
+        except (TargetLoadError, KitUsageError) as exc:  # unloadable, or no convention fits
             print(f"attn-spec: {exc}", file=sys.stderr)
             return EXIT_USAGE
+    try:
+        expectations = Expectations.read(args.expect) if args.expect else None
+        devices = _devices(args.device)
+    except (OSError, KitUsageError) as exc:
+        print(f"attn-spec: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     progress = _Progress(sys.stderr.isatty())
     try:
         report = attn_spec.check(*targets, profile=args.profile, seed=args.seed, only=_flatten(args.only),
-                                 skip=_flatten(args.skip), progress=progress)
+                                 skip=_flatten(args.skip), progress=progress, require=_flatten(args.require),
+                                 dtypes=_flatten(args.dtypes) or None, devices=devices)
     except KitUsageError as exc:
         print(f"attn-spec: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         progress.done()
-    text = {"text": str, "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n"}[args.format](report)
+    if expectations:
+        expectations.apply(report)
+    render = {"text": str, "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n",
+              "junit": to_junit, "html": lambda r: r._repr_html_()}[args.format]
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+            fh.write(render(report))
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(render(report))
+    if os.environ.get("GITHUB_ACTIONS") == "true":  # annotations on the pull request
+        print("\n".join(github_annotations(report)), flush=True)
     return EXIT_OK if report.conforms else EXIT_FAIL
+
+
+def _devices(choice: str):
+    from attn_spec.cases import available_devices
+    from attn_spec.strategies import KitUsageError
+
+    available = available_devices()
+    if choice == "all":
+        return available
+    if choice not in available:
+        raise KitUsageError(f"--device {choice}: this machine has only {', '.join(available)}")
+    return [choice]

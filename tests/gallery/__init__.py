@@ -29,9 +29,9 @@ CORRECT: list[Entry] = []
 BUGGY: list[Entry] = []
 
 
-def correct(convention: str = "function"):
+def correct(convention: str = "function", name: str | None = None):
     def register(obj):
-        CORRECT.append(Entry(obj.__name__, obj, convention))
+        CORRECT.append(Entry(name or obj.__name__, obj, convention))
         return obj
     return register
 
@@ -43,4 +43,4 @@ def buggy(*catches: str, bug: str, convention: str = "function"):
     return register
 
 
-from gallery import core  # noqa: E402,F401  - registers the entries
+from gallery import core, masking, robustness  # noqa: E402,F401  - registers the entries

@@ -292,3 +292,50 @@ def float32_inside(Q, K, V, mask=None):
 @buggy("matches-reference", bug="softmax temperature 0.9 left in")
 def temperature(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K) / 0.9, mask), dim=-1) @ V
+
+
+# ---------------------------------------------------------------- the sdpa convention: scale and is_causal
+
+correct("sdpa")(F.scaled_dot_product_attention)
+
+
+@correct("sdpa")
+def sdpa_bottom_right_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """FlashAttention >= 2.1's causal alignment (a convention, reported, not a bug); empty rows give 0."""
+    if is_causal:
+        attn_mask = reference.causal_mask(query.shape[-2], key.shape[-2], alignment="bottom-right", device=query.device)
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(query, key, value, scale=scale)
+    has_key = attn_mask.any(dim=-1, keepdim=True)  # [..., Tq, 1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask | ~has_key, scale=scale)
+    return out * has_key
+
+
+@buggy("scale-argument", bug="the scale argument is ignored", convention="sdpa")
+def ignores_scale_argument(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal)
+
+
+@buggy("scale-argument", bug="sqrt(scale) applied to Q and K separately (breaks negative scales)", convention="sdpa")
+def split_sqrt_scale(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    s = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.size(-1)))  # NaN... raises for scale < 0
+    return F.scaled_dot_product_attention(query * s, key * s, value, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
+
+
+@buggy("is-causal", bug="is_causal is ignored", convention="sdpa")
+def ignores_is_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+
+
+@buggy("is-causal", bug="is_causal masks the diagonal too (triu diagonal=0)", convention="sdpa")
+def is_causal_off_by_one(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    if is_causal:
+        attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril(-1)
+        attn_mask[..., 0] = True  # keep row 0 alive
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+
+
+# ---------------------------------------------------------------- the torch-mha convention
+
+correct("torch-mha")(torch.nn.MultiheadAttention)
+correct("torch-mha", name="MultiheadAttention_instance_batch_first")(torch.nn.MultiheadAttention(8, 2, batch_first=True))

@@ -1,0 +1,94 @@
+"""What a CI gate needs: JUnit XML, GitHub Actions annotations, and an expectations file."""
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attn_spec.report import Report, failure_section
+
+
+def to_junit(report: Report) -> str:
+    """JUnit XML: one <testsuite> per target, one <testcase> per property."""
+    suites = ET.Element("testsuites", name="attn-spec")
+    totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    total_time = 0.0
+    for t in report.targets:
+        counts = {"tests": len(t.properties),
+                  "failures": sum(p.status == "fail" and not p.expected for p in t.properties),
+                  "errors": sum(p.status == "error" and not p.expected for p in t.properties),
+                  "skipped": sum(p.status == "skip" or p.expected for p in t.properties)}
+        seconds = sum(p.seconds for p in t.properties)
+        suite = ET.SubElement(suites, "testsuite", name=t.target, time=f"{seconds:.3f}",
+                              **{k: str(v) for k, v in counts.items()})
+        props = ET.SubElement(suite, "properties")
+        for name, value in (("convention", t.convention), ("profile", report.profile), ("seed", report.seed),
+                            ("torch", report.torch_version), ("kit_version", report.kit_version)):
+            ET.SubElement(props, "property", name=name, value=str(value))
+        for p in t.properties:
+            case = ET.SubElement(suite, "testcase", name=p.id, classname=f"attn-spec.{t.target}",
+                                 time=f"{p.seconds:.3f}")
+            if p.expected:
+                ET.SubElement(case, "skipped", message=f"expected {p.status} (expectations file): {p.message}")
+            elif p.status in ("fail", "error"):
+                element = ET.SubElement(case, "failure" if p.status == "fail" else "error",
+                                        message=p.message, type=p.cause or p.status)
+                element.text = failure_section(p, markdown=False)
+            elif p.status == "skip":
+                ET.SubElement(case, "skipped", message=p.message)
+        for key in totals:
+            totals[key] += counts[key]
+        total_time += seconds
+    suites.attrib.update({k: str(v) for k, v in totals.items()}, time=f"{total_time:.3f}")
+    ET.indent(suites)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+
+
+def _escape(text: str) -> str:  # GitHub workflow-command escaping
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def github_annotations(report: Report) -> list[str]:
+    """``::error`` lines for unexpected failures, ``::warning`` lines for the report's warnings."""
+    lines = []
+    for t in report.targets:
+        for p in t.properties:
+            if p.status in ("fail", "error") and not p.expected:
+                body = p.message + (f" (likely cause: {p.cause})" if p.cause else "")
+                lines.append(f"::error title={_escape(f'attn-spec {p.id} on {t.target}')}::{_escape(body)}")
+    lines += [f"::warning title=attn-spec::{_escape(w)}" for w in report.warnings]
+    return lines
+
+
+@dataclass
+class Expectations:
+    """Properties a target is known to fail or skip: one id per line, '#' starts a comment."""
+
+    path: str
+    ids: dict[str, str] = field(default_factory=dict)  # id -> its comment
+
+    @classmethod
+    def read(cls, path: str) -> "Expectations":
+        expectations = cls(path)
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            entry, _, comment = line.partition("#")
+            if entry.strip():
+                expectations.ids[entry.strip()] = comment.strip()
+        return expectations
+
+    def apply(self, report: Report) -> None:
+        """Mark listed failures as expected; warn about ids that match nothing or now pass."""
+        from attn_spec.catalog import REGISTRY
+
+        known = set(REGISTRY) | {p.id for t in report.targets for p in t.properties}
+        for unknown in sorted(set(self.ids) - known):
+            report.warnings.append(f"{self.path}: {unknown!r} matches no property id")
+        for t in report.targets:
+            for p in t.properties:
+                if p.id not in self.ids:
+                    continue
+                if p.status in ("fail", "error", "skip"):
+                    p.expected = True
+                else:
+                    report.warnings.append(f"{self.path}: {p.id} now passes on {t.target}; "
+                                           f"remove it from the expectations file to tighten the gate")

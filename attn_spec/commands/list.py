@@ -1,0 +1,28 @@
+"""``attn-spec list``: the catalog as a table (id, family, statement, conventions)."""
+from __future__ import annotations
+
+import textwrap
+
+from attn_spec.cli import EXIT_OK
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("list", help="list the catalog's properties",
+                                 description="The catalog: one row per property, in the order `check` runs them.")
+    parser.add_argument("--format", choices=("text", "markdown"), default="text", help="table format")
+
+
+def run(args) -> int:
+    from tabulate import tabulate
+
+    import attn_spec.properties  # noqa: F401 - registers the catalog
+    from attn_spec.catalog import REGISTRY
+
+    markdown = args.format == "markdown"
+    rows = [[p.id, p.family, p.statement if markdown else textwrap.fill(p.statement, 60),
+             ", ".join(p.conventions) if markdown else textwrap.fill(", ".join(p.conventions), 28)]
+            for p in REGISTRY.values()]
+    print(tabulate(rows, headers=["id", "family", "statement", "conventions"],
+                   tablefmt="github" if markdown else "simple_grid"))
+    print(f"\n{len(rows)} properties · attn-spec explain ID for one of them")
+    return EXIT_OK

@@ -1,0 +1,124 @@
+"""Conventions: behaviours that differ between correct attentions. Probed and reported, never judged,
+unless a user requires one (``attn-spec check --require fully-masked=zeros``).
+
+========================  ==================================================================
+key                       values
+========================  ==================================================================
+``fully-masked``          what a query with no allowed key yields: nan, zeros, uniform, other
+``mask-polarity``         true-attends (True = may attend), true-ignores, other
+``masked-nan``            NaN in K and V at masked positions: ignored or propagates to the output
+``causal-alignment``      what ``is_causal=True`` means for n_q != n_kv: top-left or bottom-right;
+                          n/a where the caller's mask carries causality (function, module)
+``weights-returned``      yes or no: whether the target's own API returns the weights with the
+                          output (nn.MultiheadAttention does; the kit reads only the output)
+========================  ==================================================================
+
+A probe reports ``n/a`` when the target does not take what it needs (a mask, ``is_causal``),
+``raises`` when its call raises, and ``other`` when its output is unusable (not a tensor of the
+right shape). Probing never stops a check.
+"""
+from __future__ import annotations
+
+import torch
+
+from attn_spec.cases import DTYPES
+from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.strategies import KitUsageError
+
+VALUES = {  # the values a user may require; a probe may also report "other" or "raises"
+    "fully-masked": ("nan", "zeros", "uniform"),
+    "mask-polarity": ("true-attends", "true-ignores"),
+    "masked-nan": ("ignored", "propagates"),
+    "causal-alignment": ("top-left", "bottom-right", "n/a"),
+    "weights-returned": ("yes", "no"),
+}
+
+
+def _inputs(dtype, device):
+    """Two queries, three distinct keys, values with a nonzero mean."""
+    def t(rows):
+        return torch.tensor(rows, dtype=dtype, device=device)
+    q = t([[1.0, 0.0], [0.0, 1.0]])  # [Tq=2, Dk=2]
+    return q, t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), t([[1.0, 2.0], [3.0, 5.0], [4.0, -1.0]])  # K, V: [Tk=3, 2]
+
+
+def fully_masked(target, dtype, device) -> str:
+    """Query 0 may attend no key: NaN, zeros, the mean of V (uniform weights) or something else."""
+    q, k, v = _inputs(dtype, device)
+    mask = torch.tensor([[False, False, False], [True, True, False]], device=device)
+    row = target.attend(q, k, v, mask)[0].detach().to("cpu", torch.float64)  # [Dv]
+    if torch.isnan(row).any():
+        return "nan"
+    if (row == 0).all():
+        return "zeros"
+    if torch.allclose(row, v.double().cpu().mean(dim=0), rtol=1e-2, atol=1e-2):
+        return "uniform"
+    return "other"
+
+
+def mask_polarity(target, dtype, device) -> str:
+    """A row whose mask is True only at key 0: true-attends reads v_0 alone, true-ignores never reads it."""
+    q, k, _ = _inputs(dtype, device)
+    eye = torch.eye(3, dtype=dtype, device=device)  # V = I: the output row is the weight row
+    w = target.attend(q[:1], k, eye, torch.tensor([[True, False, False]], device=device))[0]
+    w = w.detach().to("cpu", torch.float64)  # [Tk]
+    if torch.allclose(w, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64), atol=1e-2):
+        return "true-attends"
+    if abs(w[0].item()) < 1e-2 and abs(w[1:].sum().item() - 1) < 1e-2:
+        return "true-ignores"
+    return "other"
+
+
+def masked_nan(target, dtype, device) -> str:
+    """NaN in K and V at a key masked for every query: does it reach the output?"""
+    q, k, v = _inputs(dtype, device)
+    k[2], v[2] = float("nan"), float("nan")
+    mask = torch.tensor([[True, True, False], [True, True, False]], device=device)
+    out = target.attend(q, k, v, mask)
+    return "ignored" if torch.isfinite(out).all() else "propagates"
+
+
+def causal_alignment(target, dtype, device) -> str:
+    """is_causal=True with 2 queries and 3 keys: query 0 sees key 0 (top-left) or keys 0 and 1 (bottom-right)."""
+    q, k, _ = _inputs(dtype, device)
+    w = target.attend(q, k, torch.eye(3, dtype=dtype, device=device), is_causal=True)  # V = I: [Tq=2, Tk=3] weights
+    seen = w.detach().to("cpu", torch.float64).abs() > 1e-3  # [2, 3]
+    if seen.tolist() == [[True, False, False], [True, True, False]]:
+        return "top-left"
+    if seen.tolist() == [[True, True, False], [True, True, True]]:
+        return "bottom-right"
+    return "other"
+
+
+def _safely(probe, target, dtype, device) -> str:
+    try:
+        return probe(target, dtype, device)
+    except Unsupported:  # the target takes no mask (or no is_causal): the convention does not arise
+        return "n/a"
+    except TargetRaised:
+        return "raises"
+    except Failure:  # the adapter rejected the output (not a tensor, wrong shape)
+        return "other"
+
+
+def probe_conventions(target, dtype: str = "float32", device: str = "cpu") -> dict[str, str]:
+    """The conventions of ``target`` (an adapter), probed on tiny inputs of one dtype and device."""
+    torch_dtype = DTYPES[dtype]
+    found = {key: _safely(probe, target, torch_dtype, device)
+             for key, probe in (("fully-masked", fully_masked), ("mask-polarity", mask_polarity),
+                                ("masked-nan", masked_nan), ("causal-alignment", causal_alignment))}
+    found["weights-returned"] = "yes" if target.convention == "torch-mha" else "no"  # the others return only out
+    return found
+
+
+def parse_requirements(items) -> dict[str, str]:
+    """``["fully-masked=zeros", ...]`` -> ``{"fully-masked": "zeros"}``; anything unknown is a usage error."""
+    valid = "; ".join(f"{key}={'|'.join(values)}" for key, values in VALUES.items())
+    required = {}
+    for item in items or ():
+        key, _, value = item.partition("=")
+        if key not in VALUES or value not in VALUES[key]:
+            problem = f"unknown convention {key!r}" if key not in VALUES else f"unknown value {value!r} for {key}"
+            raise KitUsageError(f"--require {item}: {problem}; valid: {valid}")
+        required[key] = value
+    return required

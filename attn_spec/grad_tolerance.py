@@ -1,0 +1,93 @@
+"""Reference gradients and their error budgets, earned by measurement like ``attn_spec.tolerance``.
+
+The float64 reference gradients of L = <attention(Q, K, V), G> come in closed form, the
+backward pass FlashAttention computes:
+
+    S = scale * Q K^T (+ mask),   A = softmax(S),   O = A V,   G = dL/dO
+    dV = A^T G                                  [..., Tk, Dv]
+    dA = G V^T                                  [..., Tq, Tk]
+    dS = A * (dA - rowsum(A * dA))              the softmax backward; rowsum(A * dA) = rowsum(G * O)
+    dQ = scale * dS K,    dK = scale * dS^T Q   [..., Tq, Dk], [..., Tk, Dk]
+
+A masked key has A = 0, hence dS = 0: no gradient reaches it, and none leaves a fully masked row.
+
+A target's gradient dX may err by what an ordinary same-dtype implementation (autograd through
+the two naive forms of ``attn_spec.tolerance``) shows on the same inputs, times GRAD_FACTOR,
+plus a floor:
+
+    |dX - dX64|_max  <=  GRAD_FACTOR * |dX_naive - dX64|_max  +  FLOOR_ULPS * grad_floor_unit
+
+    grad_floor_unit = eps(dtype) * (sqrt(Tq + Tk + Dv) + max|Q| max|K| d_k scale) * max|dX|_terms
+
+where |dX|_terms is the same closed form over absolute values (|G|, |V|, |K|, |Q|): rounding in
+a sum scales with the size of its terms, not with its result, and gradients cancel a lot (all
+V rows equal gives dQ = 0 exactly, yet every implementation rounds). The score term is the
+bound on |scaled score| of ``tolerance.floor_unit``: a score s carries a rounding error of
+about eps * |s| into A (ties broken by rounding in a saturated softmax need the full bound).
+
+FlashAttention's tests allow gradients a larger factor than outputs (3 against 2); PyTorch's
+SDPA tests use fudge factors of 2 to 8 for gradients. Calibrated on the differentiable correct
+variants of ``tests/gallery`` (every dtype, thorough shapes and magnitudes, 400 cases each),
+the worst error is 2.2 times the naive one with the floor below, and the floor alone is never
+more than a third used when the naive implementation is exact: GRAD_FACTOR = 2 * FACTOR leaves
+the same margin as the outputs have.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attn_spec import reference
+from attn_spec.tolerance import FACTOR, FLOOR_ULPS, eps, max_error, naive_attention, seed_attention
+
+GRAD_FACTOR = 2 * FACTOR
+F64 = torch.float64
+NAMES = ("dQ", "dK", "dV")
+
+
+def _scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def reference_grads(q, k, v, mask, grad_out, *, scale=None, absolute=False):
+    """(dQ, dK, dV) of <attention(q, k, v, mask), grad_out> in float64 on the CPU, in closed form.
+
+    Q, K, V share their leading dims. ``absolute=True`` evaluates the same sums over the
+    absolute values of their terms: the magnitudes the rounding of any implementation scales with.
+    """
+    s = _scale(q, scale)
+    weights = reference.attention(q, k, v, mask, scale=s)[1]  # [..., Tq, Tk]
+    q, k, v, g = (t.detach().to("cpu", F64) for t in (q, k, v, grad_out))
+    if absolute:
+        q, k, v, g = q.abs(), k.abs(), v.abs(), g.abs()
+    d_weights = g @ v.transpose(-2, -1)  # [..., Tq, Dv] x [..., Dv, Tk] -> [..., Tq, Tk]
+    row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [..., Tq, 1]
+    d_scores = weights * (d_weights + row if absolute else d_weights - row)  # [..., Tq, Tk]
+    dq = s * (d_scores @ k)  # [..., Tq, Tk] x [..., Tk, Dk] -> [..., Tq, Dk]
+    dk = s * (d_scores.transpose(-2, -1) @ q)  # [..., Tk, Tq] x [..., Tq, Dk] -> [..., Tk, Dk]
+    dv = weights.transpose(-2, -1) @ g  # [..., Tk, Tq] x [..., Tq, Dv] -> [..., Tk, Dv]
+    return dq, dk, dv
+
+
+def naive_grads(impl, q, k, v, mask, grad_out):
+    """(dQ, dK, dV) from autograd through ``impl(q, k, v, mask)`` in the inputs' dtype and device."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out = impl(*leaves, mask)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+
+def grad_budgets(q, k, v, mask, grad_out, ref_grads) -> tuple[float, float, float]:
+    """The largest error a correct implementation may show in dQ, dK and dV on these inputs."""
+    naive = [0.0, 0.0, 0.0]
+    for impl in (naive_attention, seed_attention):  # the larger error of two orderings; one can be lucky
+        for i, (got, ref) in enumerate(zip(naive_grads(impl, q, k, v, mask, grad_out), ref_grads)):
+            err = max_error(got, ref)
+            naive[i] = max(naive[i], err if math.isfinite(err) else 0.0)  # overflowed: the floor judges
+    terms = reference_grads(q, k, v, mask, grad_out, absolute=True)
+    score = q.detach().abs().amax().item() * k.detach().abs().amax().item() * q.shape[-1] * _scale(q, None) \
+        if q.numel() and k.numel() else 0.0  # the bound on |scaled score| that tolerance.floor_unit uses
+    length = math.sqrt(q.shape[-2] + k.shape[-2] + v.shape[-1]) + min(score, 1e6)
+    units = [eps(q.dtype) * length * (t.max().item() if t.numel() else 0.0) for t in terms]
+    return tuple(GRAD_FACTOR * n + FLOOR_ULPS * u for n, u in zip(naive, units))

@@ -1,0 +1,59 @@
+"""The default grading rubric (TOML), kept apart so that ``--print-rubric`` imports nothing heavy."""
+
+DEFAULT_RUBRIC = """\
+# attn-spec grading rubric. Print it with `attn-spec grade --print-rubric`, edit, pass with --rubric.
+# Grading is derandomised: the profile and seed fix every input, so a submission always gets the
+# same grade. Every key is optional (a missing key takes the value shown here).
+
+# quick grades a correct submission in about 3 s (a class of 30 in about a minute on 2 cores, --jobs 2);
+# default tries about 4x more and larger cases and takes about 8x longer; thorough, longer still.
+profile = "quick"
+seed = 20240917
+dtypes = ["float64", "float32", "float16", "bfloat16"]
+devices = ["cpu"]
+# A folder submission is imported from the first of these files it has (or its only .py file).
+entry = ["attention.py", "submission.py", "main.py", "__init__.py"]
+
+[limits]
+import_seconds = 20          # to import a submission (--timeout overrides this and call_seconds)
+call_seconds = 10            # for any one call into it
+submission_seconds = 300     # wall clock for one whole submission; its CPU time is capped at the same
+memory_mb = 1024             # address space on top of what Python and torch already map
+output_kb = 64               # stdout + stderr kept per submission (the rest is counted and dropped)
+file_mb = 16                 # largest file a submission may write
+source_kb = 512              # largest source file accepted
+
+[forbidden]
+# Calls a submission may not make: a dotted name, or a module followed by .* for all of it.
+calls = [
+    "torch.nn.functional.scaled_dot_product_attention",
+    "torch.nn.functional.multi_head_attention_forward",
+    "torch.nn.MultiheadAttention",
+    "attn_spec.reference.*",   # the answer it is judged by
+    "attn_spec.tolerance.*",   # the kit's naive attentions
+]
+penalty = 1.0                # fraction of the score removed when one is used: 1.0 = zero, 0.0 = report only
+
+[function]                   # attention(Q, K, V, mask=None)
+name = "attention"
+required = true              # counts in max_score even when missing
+default_points = 1.0         # any property not listed below
+
+[function.points]
+rows-sum-to-one = 2
+causal-mask = 2
+permutation-equivariance = 1
+scale-sqrt-dk = 2
+cross-attention-shapes = 1
+matches-reference = 2
+
+[module]                     # class MultiHeadAttention(d_model, n_heads) in the seed's form
+name = "MultiHeadAttention"
+required = false             # graded and counted only when the submission defines it
+default_points = 1.0
+
+[module.points]
+head-concat-equivalence = 3
+scale-sqrt-dk = 2
+matches-reference = 2
+"""

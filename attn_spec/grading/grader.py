@@ -1,0 +1,330 @@
+"""Grade submissions: find them, run each in its own confined child, score what the catalog finds.
+
+The grader process generates every input and judges every output with the ordinary catalog
+(:func:`attn_spec.runner.run_property` on a :class:`~attn_spec.grading.remote.RemoteTarget`);
+the student's code only ever runs in a child forked from the zygote.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import time
+import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from attn_spec import reference
+from attn_spec.adapters import PROJECTIONS, FunctionTarget, ModuleTarget
+from attn_spec.catalog import REGISTRY
+from attn_spec.grading import zygote
+from attn_spec.grading.remote import RemoteTarget, Stopped, Zygote
+from attn_spec.grading.rubric import CONVENTIONS, Rubric
+from attn_spec.grading.submissions import Submission, prepare, remove, sandbox_ids
+from attn_spec.module_adapters import SeedAdapter
+from attn_spec.runner import run_property, select
+from attn_spec.tolerance import naive_multihead, seed_attention
+
+OUTCOMES = ("graded", "syntax-error", "import-error", "missing-attention", "timeout", "memory-limit", "crashed",
+            "exited", "bad-output", "forbidden")
+GRADER_ERROR = "grader-error"  # a bug or failure of the grader itself, never the student's doing
+
+
+class SandboxError(RuntimeError):
+    """The child could not confine itself (a problem of the machine or the kit, never of the submission)."""
+
+
+@dataclass
+class PropertyGrade:
+    id: str
+    convention: str
+    status: str  # pass, fail, skip, error, n/a, bad-output, not-run, missing, or the outcome that stopped it
+    points: float
+    max_points: float
+    statement: str = ""
+    message: str = ""
+    cause: str = ""
+    blocked_by: str | None = None
+    counterexample: dict | None = None
+    examples: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Grade:
+    name: str
+    outcome: str
+    score: float = 0.0
+    max_score: float = 0.0
+    detail: str = ""  # what the outcome means for this submission, in words
+    properties: list = field(default_factory=list)
+    forbidden: list = field(default_factory=list)  # [{"name", "line"?, "how"}]
+    found: list = field(default_factory=list)  # conventions the submission defines
+    output: str = ""  # its stdout + stderr, truncated
+    sandbox: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    entry: str = ""
+    feedback: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- grading one submission
+
+
+class Grader:
+    """Grades submissions with one zygote; ``grade`` is safe to call from several threads."""
+
+    def __init__(self, rubric: Rubric, jobs: int = 1, launched: zygote.Launch | None = None):
+        self.rubric = rubric
+        self.launched = launched or zygote.launch()
+        self.base = self.launched.base
+        try:
+            self.zygote = Zygote(self.launched)
+            self.slots: queue.Queue = queue.Queue()
+            for ids in sandbox_ids(jobs):
+                self.slots.put(ids)
+            self.props = select()
+            self.not_applicable = calibrate(self.props, rubric)  # while the zygote warms up
+            self.counter = itertools.count(1)
+            self.zygote.wait_ready()
+        except BaseException:
+            self.launched.close()
+            raise
+
+    def close(self) -> None:
+        self.launched.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def grade(self, sub: Submission) -> Grade:
+        start = time.monotonic()
+        ids = self.slots.get()
+        try:
+            grade = self._grade(sub, ids)
+        except Exception as exc:  # noqa: BLE001 - one submission's grader failure must not stop the class
+            grade = Grade(sub.name, GRADER_ERROR, detail=f"the grader failed ({type(exc).__name__}: {exc}); "
+                          f"this is not the student's doing:\n{traceback.format_exc()}")
+        finally:
+            self.slots.put(ids)
+        grade.entry, grade.seconds = sub.entry or "", round(time.monotonic() - start, 3)
+        _score(grade, self.rubric)
+        return grade
+
+    def _grade(self, sub: Submission, ids) -> Grade:
+        grade = Grade(sub.name, "graded")
+        if sub.problem:
+            return self._not_loaded(grade, "import-error", sub.problem)
+        scratch = os.path.join(self.base, f"{next(self.counter):05d}")
+        os.mkdir(scratch, 0o700)
+        try:
+            prepare(sub, scratch, ids)
+            limits = self.rubric.limits
+            config = {"scratch": scratch, "entry": sub.entry, "limits": limits, "forbidden": list(self.rubric.forbidden),
+                      "names": {c: self.rubric.conventions[c].name for c in CONVENTIONS},
+                      "devices": list(self.rubric.devices), "uid": ids[0] if ids else None, "gid": ids[1] if ids else None}
+            child = self.zygote.spawn(config)
+            try:
+                self._run(grade, child, sub)
+            finally:
+                child.close()
+                grade.output = child.output.text()
+        finally:
+            remove(scratch)
+        return grade
+
+    def _unrun(self, conv: str, status: str, message: str) -> list[PropertyGrade]:
+        """Rows for a convention whose properties cannot run (n/a ones stay n/a)."""
+        return [self._row(p, conv, "n/a", self.not_applicable[(conv, p.id)]) if (conv, p.id) in self.not_applicable
+                else self._row(p, conv, status, message) for p in self.props if conv in p.conventions]
+
+    def _not_loaded(self, grade: Grade, outcome: str, detail: str) -> Grade:
+        grade.outcome, grade.detail = outcome, detail
+        for conv, section in self.rubric.conventions.items():
+            if section.required:
+                grade.properties += self._unrun(conv, "not-run", "not run: the submission could not be loaded")
+        return grade
+
+    def _row(self, prop, conv, status, message="", result=None) -> PropertyGrade:
+        row = PropertyGrade(prop.id, conv, status, 0.0, self.rubric.conventions[conv].points_for(prop.id),
+                            statement=prop.statement, message=message)
+        if result is not None:
+            row.message, row.cause, row.counterexample = result.message, result.cause, result.counterexample
+            row.examples, row.seconds = result.examples, round(result.seconds, 3)
+        return row
+
+    def _load(self, grade: Grade, child, sub: Submission) -> dict | None:
+        """Scan and import; the load report, or None (with the outcome set) when nothing can be graded."""
+        seconds = self.rubric.limits["import_seconds"]
+        try:
+            scanned, _ = child.receive(seconds, "loading the submission")
+            if scanned.get("stage") != "scanned":  # sent before any student code ran: trusted
+                raise SandboxError(f"the sandbox could not be set up: {scanned.get('message')}")
+            grade.sandbox = scanned.get("sandbox") if isinstance(scanned.get("sandbox"), dict) else {}
+            grade.forbidden += [dict(hit, how="named in the source") for hit in scanned.get("forbidden", [])]
+            if "syntax_error" in scanned:
+                err = scanned["syntax_error"]
+                where = f"line {err['line']}: " if err.get("line") else ""
+                text = f"\n    {err['text']}" if err.get("text") else ""
+                self._not_loaded(grade, "syntax-error", f"{sub.entry}, {where}{err['message']}{text}")
+                return None
+            if "too_large" in scanned:
+                self._not_loaded(grade, "import-error", str(scanned["too_large"]))
+                return None
+            loaded, _ = child.receive(seconds, "importing the submission")
+        except Stopped as stop:
+            self._not_loaded(grade, stop.outcome, stop.detail)
+            return None
+        child.note_forbidden(loaded.get("forbidden_calls"))
+        if not loaded.get("ok"):
+            self._not_loaded(grade, *_load_problem(loaded, sub))
+            return None
+        return loaded
+
+    def _grade_property(self, prop, target: RemoteTarget, conv: str) -> PropertyGrade:
+        try:
+            result = run_property(prop, target, profile=self.rubric.profile, seed=self.rubric.seed,
+                                  dtypes=list(self.rubric.dtypes), devices=list(self.rubric.devices))
+        except Stopped as stop:
+            return self._row(prop, conv, stop.outcome, stop.detail)
+        status = "bad-output" if target.bad_output and result.status == "fail" else result.status
+        target.bad_output = False
+        return self._row(prop, conv, status, result=result)
+
+    def _run(self, grade: Grade, child, sub: Submission) -> None:
+        loaded = self._load(grade, child, sub)
+        if loaded is None:
+            return
+        grade.found = [c for c in CONVENTIONS if c in (loaded.get("found") or [])]
+        missing = []
+        for conv in CONVENTIONS:
+            section = self.rubric.conventions[conv]
+            if conv not in grade.found:
+                if section.required:
+                    kind = (loaded.get("kinds") or {}).get(conv)
+                    want = "function" if conv == "function" else "class"
+                    missing.append(f"{section.name} is a {str(kind)[:60]}, not a {want}" if isinstance(kind, str)
+                                   else f"{section.name} is not defined")
+                    grade.properties += self._unrun(conv, "missing", missing[-1])
+                continue
+            target = RemoteTarget(child, conv, f"{sub.entry}:{section.name}")
+            rows = []
+            for prop in (p for p in self.props if conv in p.conventions):
+                if (conv, prop.id) in self.not_applicable:
+                    rows.append(self._row(prop, conv, "n/a", self.not_applicable[(conv, prop.id)]))
+                elif child.stopped:
+                    rows.append(self._row(prop, conv, "not-run", f"not run: {child.stopped.detail}"))
+                else:
+                    rows.append(self._grade_property(prop, target, conv))
+            _mark_blocked(rows)
+            grade.properties += rows
+        grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden)]
+        if child.stopped:
+            grade.outcome, grade.detail = child.stopped.outcome, child.stopped.detail
+        elif missing:
+            grade.outcome, grade.detail = "missing-attention", "; ".join(missing)
+        elif grade.forbidden:
+            grade.outcome = "forbidden"
+        elif any(p.status == "bad-output" for p in grade.properties):
+            grade.outcome = "bad-output"
+            grade.detail = next(p.message for p in grade.properties if p.status == "bad-output")
+
+
+class _SeedModule(reference.MultiHeadAttention):
+    """The seed's module computed in the inputs' dtype, with autograd (the reference's forward detaches)."""
+
+    def forward(self, x_q, x_kv, mask=None):
+        weights = {name: getattr(self, name).weight for name in PROJECTIONS}
+        return naive_multihead(x_q, x_kv, weights, self.n_heads, mask)  # [Tq, D]
+
+
+def calibrate(props, rubric: Rubric) -> dict[tuple[str, str], str]:
+    """(convention, id) -> why, for properties nobody can be graded on here.
+
+    The kit's own correct attention (the seed's formula, differentiable, in each convention) is
+    checked in this process exactly as submissions will be (same profile, seed, dtypes, devices).
+    A property it skips (the function convention has no scale argument; this machine has no
+    second device; plain attention has no grouped-query form) is not applicable: it counts for
+    nothing, for everyone. One it fails is a bug in the kit: reported, and not graded. Never
+    decided by a submission: a skip of a submission's own doing is worth no points.
+    """
+    references = {"function": FunctionTarget(seed_attention, "reference"),
+                  "module": ModuleTarget(SeedAdapter(_SeedModule), "reference")}
+    found = {}
+    for conv, target in references.items():
+        for prop in props:
+            if conv not in prop.conventions:
+                continue
+            result = run_property(prop, target, profile=rubric.profile, seed=rubric.seed,
+                                  dtypes=list(rubric.dtypes), devices=list(rubric.devices))
+            if result.status == "skip":
+                found[(conv, prop.id)] = f"does not apply here: {result.message}"
+            elif result.status != "pass":
+                found[(conv, prop.id)] = f"not graded: the kit's own attention fails it here ({result.message})"[:500]
+                warnings.warn(f"attn-spec grade: {prop.id} ({conv}) fails on the kit's own attention; not graded")
+    return found
+
+
+def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
+    outcome = loaded.get("outcome") if loaded.get("outcome") in OUTCOMES else "import-error"
+    message = str(loaded.get("message", ""))[:2000]
+    if outcome == "syntax-error":
+        return outcome, f"{loaded.get('file') or sub.entry}, line {loaded.get('line')}: {message}"
+    if outcome == "import-error" and isinstance(loaded.get("module"), str):
+        return outcome, (f"it imports the module {loaded['module']!r}, which is not available where it is graded "
+                         f"({message})")
+    trace = str(loaded.get("traceback", ""))[-3000:]
+    return outcome, (f"importing it raised {str(loaded.get('type', 'an exception'))[:80]}: {message}"
+                     + (f"\n{trace}" if trace else ""))
+
+
+def _mark_blocked(rows: list[PropertyGrade]) -> None:
+    """A failure explained by an earlier failure of the same convention is reported as blocked by it."""
+    failed = {r.id for r in rows if r.status == "fail"}
+    for r in rows:
+        if r.status == "fail":
+            blockers = [b for b in REGISTRY[r.id].after if b in failed]
+            r.blocked_by = blockers[0] if blockers else None
+
+
+def _score(grade: Grade, rubric: Rubric) -> None:
+    """Points for passed properties only (fail closed); n/a rows count for nothing either way; the
+    forbidden penalty scales the total."""
+    for row in grade.properties:
+        row.points = row.max_points if row.status == "pass" else 0.0
+        if row.status == "n/a":
+            row.max_points = 0.0
+    earned = sum(row.points for row in grade.properties)
+    if grade.forbidden:
+        earned *= 1.0 - rubric.penalty
+    grade.score, grade.max_score = round(earned, 4), round(sum(row.max_points for row in grade.properties), 4)
+
+
+def grade_all(subs: list[Submission], rubric: Rubric, *, jobs: int = 1, progress=None,
+              launched: zygote.Launch | None = None) -> list[Grade]:
+    """Grade every submission, ``jobs`` at a time; results in the order of ``subs``.
+
+    ``launched``: a zygote already started with :func:`attn_spec.grading.zygote.launch` (it is closed here).
+    """
+    grades: dict[str, Grade] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # judging small tensors: parallelism comes from the jobs, not from OpenMP
+    try:
+        with Grader(rubric, jobs, launched) as grader, ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(grader.grade, sub): sub for sub in subs}
+            for future in as_completed(futures):
+                grade = future.result()
+                grades[grade.name] = grade
+                if progress:
+                    progress(list(grades.values()), len(subs))
+    finally:
+        torch.set_num_threads(threads)
+    return [grades[sub.name] for sub in subs]

@@ -1,0 +1,144 @@
+"""A self-contained HTML conformance report: inline CSS, no scripts, nothing fetched from a network.
+
+For each failure the counterexample's matrices (usually the attention weights recovered from the
+target, beside the reference's) are drawn as heatmaps: HTML tables whose cells are coloured by
+value, with cells that differ outlined in red and masked-out cells hatched.
+"""
+from __future__ import annotations
+
+import math
+from html import escape
+
+MAX_CELLS = 16  # rows and columns drawn per heatmap
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#222;max-width:1100px}
+h1{font-size:22px}h2{font-size:18px;margin-top:28px}h3{font-size:15px;margin:18px 0 6px}
+.ok{color:#1a7f37}.bad{color:#cf222e}.meta{color:#555;font-size:13px}
+table.summary{border-collapse:collapse;font-size:13px}
+table.summary td,table.summary th{border:1px solid #ccc;padding:3px 8px;text-align:left}
+td.pass{background:#dafbe1}td.fail,td.error{background:#ffebe9}td.skip{background:#f6f8fa}
+.failure{border-left:4px solid #cf222e;padding:4px 12px;margin:14px 0;background:#fffafa}
+.maps{display:flex;gap:28px;flex-wrap:wrap;align-items:flex-start}
+table.heat{border-collapse:collapse;font:12px ui-monospace,monospace}
+table.heat td{width:54px;height:30px;text-align:center;border:1px solid #fff}
+table.heat td.diff{outline:3px solid #d62728;outline-offset:-3px}
+table.heat td.masked{background-image:repeating-linear-gradient(45deg,rgba(0,0,0,.28) 0 2px,transparent 2px 7px)}
+table.heat td.bad{background:#ff7f0e;color:#000}
+table.heat caption{font-weight:600;padding:4px;text-align:left;white-space:nowrap}
+.legend{font-size:12px;color:#555}pre{background:#f6f8fa;padding:8px;overflow-x:auto;font-size:12px}
+"""
+
+
+def _matrix(data):
+    """The first 2-D matrix of nested lists (leading dims take index 0), as a list of rows, or None."""
+    if data is None:
+        return None
+    while isinstance(data, list) and data and isinstance(data[0], list) and data[0] and isinstance(data[0][0], list):
+        data = data[0]
+    if not isinstance(data, list) or not data:
+        return None
+    return [row if isinstance(row, list) else [row] for row in data] if isinstance(data[0], list) else [data]
+
+
+def _colour(x: float, lo: float, hi: float) -> tuple[str, str]:
+    """(background, text colour) on a white-to-blue scale between lo and hi."""
+    t = 0.0 if hi <= lo else min(max((x - lo) / (hi - lo), 0.0), 1.0)
+    start, end = (247, 251, 255), (8, 48, 107)
+    r, g, b = (round(a + (z - a) * t) for a, z in zip(start, end))
+    return f"rgb({r},{g},{b})", "#fff" if t > 0.55 else "#000"
+
+
+def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None) -> str:
+    """One matrix as a coloured table; ``mask`` (True = may attend) hatches masked cells, ``other``
+    (the matrix to compare with) outlines cells that differ from it."""
+    cells = []
+    for i, row in enumerate(rows[:MAX_CELLS]):
+        tds = []
+        for j, x in enumerate(row[:MAX_CELLS]):
+            classes, finite = [], isinstance(x, (int, float)) and math.isfinite(x)
+            if finite:
+                bg, fg = _colour(x, lo, hi)
+                style = f' style="background-color:{bg};color:{fg}"'
+            else:
+                classes.append("bad")
+                style = ""
+            if mask is not None and i < len(mask) and j < len(mask[i]) and not mask[i][j]:
+                classes.append("masked")
+            if other is not None and i < len(other) and j < len(other[i]):
+                y = other[i][j]
+                if not (isinstance(y, (int, float)) and finite and math.isfinite(y) and abs(x - y) <= 1e-6 * (1 + abs(y))):
+                    classes.append("diff")
+            cls = f' class="{" ".join(classes)}"' if classes else ""
+            tds.append(f"<td{cls}{style} title=\"[{i}, {j}] = {x}\">{escape(f'{x:.3g}' if isinstance(x, float) else str(x))}</td>")
+        cells.append("<tr>" + "".join(tds) + "</tr>")
+    shape = f"{len(rows)}×{len(rows[0])}"
+    return f'<table class="heat"><caption>{escape(caption)} [{shape}]</caption>{"".join(cells)}</table>'
+
+
+def _finite(*matrices) -> list[float]:
+    return [x for m in matrices if m for row in m for x in row if isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+def heatmaps(ce: dict) -> str:
+    """Got beside expected, on one colour scale, with masked cells hatched and differing cells outlined."""
+    got, expected = _matrix(ce.get("got")), _matrix(ce.get("expected"))
+    mask = _matrix(ce.get("mask"))
+    if got is None:
+        return ""
+    values = _finite(got, expected) or [0.0, 1.0]
+    lo, hi = min(values + [0.0]), max(values)
+    maps = [heatmap(got, "got (target)", lo=lo, hi=hi, mask=mask, other=expected)]
+    if expected is not None:
+        maps.append(heatmap(expected, "expected (reference)", lo=lo, hi=hi, mask=mask))
+    legend = (f'<p class="legend">colour: {lo:.3g} (white) to {hi:.3g} (dark blue); red outline: differs from the '
+              f'reference; hatched: masked out; orange: NaN or inf</p>')
+    return f'<div class="maps">{"".join(maps)}</div>{legend}'
+
+
+def _failure(p) -> str:
+    parts = [f'<div class="failure"><h3 class="bad">✗ {escape(p.id)}: {escape(p.statement)}</h3>',
+             f"<p><b>what happened:</b> {escape(p.message)}</p>"]
+    if p.cause:
+        parts.append(f"<p><b>likely cause:</b> {escape(p.cause)}</p>")
+    ce = p.counterexample
+    if ce:
+        parts.append(f"<p><b>counterexample</b> ({escape(ce['summary'])}):</p>")
+        parts.append(heatmaps(ce) or f"<pre>{escape(ce.get('got_text') or '')}</pre>")
+        parts.append(f"<p><b>reproduce:</b></p><pre>{escape(ce['reproduce'])}</pre>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _target(t) -> str:
+    failed = [p for p in t.properties if p.status in ("fail", "error") and not p.expected]
+    verdict = ('<span class="ok">CONFORMS</span>' if t.conforms else
+               f'<span class="bad">DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)</span>')
+    out = [f"<h2>{escape(t.target)} ({escape(t.convention)} convention): {verdict}</h2>"]
+    if t.conventions:
+        out.append('<p class="meta">conventions: ' + escape(", ".join(f"{k}={v}" for k, v in t.conventions.items()))
+                   + "</p>")
+    rows = []
+    for p in t.properties:
+        verdict = p.status + (f" (blocked by {p.blocked_by})" if p.blocked_by else "") + (" (expected)" if p.expected else "")
+        rows.append(f'<tr><td>{escape(p.id)}</td><td class="{escape(p.status)}">{escape(verdict)}</td>'
+                    f"<td>{p.examples}</td><td>{p.seconds:.2f}s</td></tr>")
+    out.append('<table class="summary"><tr><th>property</th><th>verdict</th><th>examples</th><th>time</th></tr>'
+               + "".join(rows) + "</table>")
+    for p in failed:
+        if p.blocked_by:
+            out.append(f"<p>{escape(p.id)} is blocked by {escape(p.blocked_by)}: fix that first ({escape(p.message)})</p>")
+        else:
+            out.append(_failure(p))
+    return "".join(out)
+
+
+def to_html(report) -> str:
+    """The whole report as one HTML document (inline CSS, no scripts, no external references)."""
+    meta = (f"attn-spec {report.kit_version} · profile {report.profile} · seed {report.seed} · torch "
+            f"{report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
+    body = "".join(_target(t) for t in report.targets)
+    warnings = "".join(f"<p class=\"meta\">warning: {escape(w)}</p>" for w in report.warnings)
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>attn-spec conformance report"
+            f"</title><style>{CSS}</style></head><body><h1>Conformance report</h1><p class=\"meta\">{escape(meta)}</p>"
+            f"{body}{warnings}</body></html>\n")

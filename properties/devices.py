@@ -1,0 +1,36 @@
+"""Agreement across devices: the same inputs give the same outputs on CPU, CUDA and MPS."""
+from __future__ import annotations
+
+from attn_spec import reference
+from attn_spec.cases import Case, available_devices
+from attn_spec.catalog import prop
+from attn_spec.errors import Failure, Unsupported
+from attn_spec.tolerance import budget, max_error
+
+
+@prop("devices-agree", family="devices",
+      statement="outputs on every available device agree with the CPU output within the error budget",
+      after=("matches-reference",), examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="cuda"),
+                                              Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="mps")])
+def devices_agree(target, case):
+    """|attn_dev(Q, K, V) - attn_cpu(Q, K, V)| <= 2 * budget, for inputs drawn on a non-CPU device.
+
+    Why: a model trained on a GPU and served on a CPU (or tested on one) must compute the same
+    function. Catches: a device-specific kernel path with a different mask convention or
+    precision, fused kernels that read out of bounds, NaN for finfo.min masks on one backend
+    only (pytorch/pytorch#110213). Skipped on machines with the CPU alone.
+    """
+    if case.device == "cpu":
+        alone = available_devices() == ["cpu"]
+        raise Unsupported("this machine has the CPU alone: no other device to agree with" if alone else
+                          "only inputs on a non-CPU device are compared with the CPU", total=alone)
+    q, k, v, mask = case.tensors()
+    on_device = target.attend(q, k, v, mask)  # [..., Tq, Dv]
+    on_cpu = target.attend(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu())
+    allowed = 2 * budget(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(),
+                         reference.attention(q, k, v, mask)[0])
+    err = max_error(on_device, on_cpu.double())
+    if err > allowed:
+        raise Failure(f"output on {case.device} differs from the CPU output by {err:.3g} (budget {allowed:.3g})",
+                      cause=f"the {case.device} code path computes a different function than the CPU one",
+                      got=on_device, expected=on_cpu)

@@ -1,0 +1,139 @@
+"""Gradients: attention is trained, so its backward pass is part of the contract.
+
+The reference gradients are the closed form of ``attn_spec.grad_tolerance`` in float64; a
+target's gradients come through ``target.vjp`` (tensors in, tensors out), so a target whose
+output is not differentiable at all makes the property a skip, with that reason.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.gradcheck import GradcheckError
+
+from attn_spec.cases import Case
+from attn_spec.catalog import prop
+from attn_spec.errors import Failure
+from attn_spec.grad_tolerance import NAMES, grad_budgets, reference_grads
+from attn_spec.tolerance import max_error
+
+GRADCHECK_MAX_ENTRIES = 64  # of Q, K and V together: gradcheck costs two forward calls per entry
+
+
+@prop("gradients", family="gradients",
+      statement="the output is differentiable in Q, K and V; gradients are finite and match the reference's "
+                "(gradcheck in float64); under a causal mask no gradient reaches future positions",
+      cases={"batch": False}, after=("determinism", "inputs-unchanged", "causal-mask", "matches-reference"),
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal", seed=1),
+                Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal", values="normal", seed=2),
+                Case(batch=(2,), n_q=3, n_kv=5, d_k=3, d_v=2, dtype="float32", mask="random", seed=3)])
+def gradients(target, case):
+    """d<attn(Q, K, V), G>/dQ, dK, dV equal the closed form of the reference, within a calibrated budget.
+
+    With A = softmax(S), S = Q K^T / sqrt(d_k): dV = A^T G, dS = A * (G V^T - rowsum(A * G V^T)),
+    dQ = dS K / sqrt(d_k), dK = dS^T Q / sqrt(d_k). In float64 ``torch.autograd.gradcheck``
+    also compares the target's backward with finite differences of its own forward. Under a
+    causal mask, G on queries i < s only must leave dK and dV at keys j >= s exactly alone.
+    Why: a wrong backward trains silently (the loss still falls), and a gradient that leaks
+    from the future makes a decoder learn to peek. Catches: a custom autograd.Function with a
+    wrong backward (softmax backward, missing scale), V (or Q, K) detached, NaN gradients from
+    unmasked padding, a backward that recomputes the weights without the mask.
+    """
+    q, k, v, mask = case.tensors()
+    grad_out = _grad_out(case)  # [..., Tq, Dv]
+    expected = reference_grads(q, k, v, mask, grad_out)
+    allowed = grad_budgets(q, k, v, mask, grad_out, expected)
+    _, *grads = target.vjp(*case.tensors(), grad_out.clone())  # its own copies: it may write into them
+    bad = [i for i, g in enumerate(grads) if not torch.isfinite(g).all()]
+    if bad:
+        names = " and ".join(NAMES[i] for i in bad)
+        raise Failure(f"{names} {'contain' if len(bad) > 1 else 'contains'} NaN or inf; the reference gradients "
+                      f"are finite",
+                      cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
+                            f"does not mask (0 * NaN), or divides by a zero sum",
+                      got=grads[bad[0]], expected=expected[bad[0]])
+    if case.mask == "causal" and case.n_kv > 1:
+        _no_gradient_from_the_future(target, case, grad_out, allowed)
+    errors = [max_error(g, e) for g, e in zip(grads, expected)]
+    wrong = [i for i in range(3) if errors[i] > allowed[i]]
+    if wrong:
+        i = wrong[0]
+        raise Failure(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'} from "
+                      f"the float64 reference: max error of {NAMES[i]} {errors[i]:.3g}, budget {allowed[i]:.3g}",
+                      cause=_explain(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
+                      got=grads[i], expected=expected[i])
+    if case.dtype == "float64" and q.numel() + k.numel() + v.numel() <= GRADCHECK_MAX_ENTRIES:
+        _gradcheck(target, case)
+
+
+def _grad_out(case):
+    """A fixed upstream gradient G [..., Tq, Dv] from the case's seed, in the case's style and dtype."""
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    shape = (*case.batch, case.n_q, case.d_v)
+    g = (torch.randint(-2, 3, shape, generator=gen).double() if case.values == "integers"
+         else torch.randn(shape, generator=gen, dtype=torch.float64))
+    return g.to(case.torch_dtype).to(case.device)
+
+
+def _no_gradient_from_the_future(target, case, grad_out, allowed):
+    """G nonzero on queries i < s only: keys j >= s are in their future, so dK, dV there are 0."""
+    s = case.n_kv // 2
+    early = grad_out.clone()
+    early[..., s:, :] = 0  # [..., Tq, Dv]
+    _, _, dk, dv = target.vjp(*case.tensors(), early)
+    leak_k, leak_v = (t[..., s:, :].abs().max().item() for t in (dk, dv))
+    if leak_k > allowed[1] or leak_v > allowed[2]:
+        leaked = dk if leak_k > allowed[1] else dv
+        raise Failure(f"with a gradient on queries < {s} only, keys >= {s} (their future) get |dK| up to "
+                      f"{leak_k:.3g} and |dV| up to {leak_v:.3g}; expected 0",
+                      cause="the backward ignores the causal mask (weights recomputed without it?)",
+                      got=leaked, expected=torch.zeros_like(leaked))
+
+
+def _explain(grads, wrong, allowed, q, k, v, mask, grad_out, expected):
+    """The likely bug, from which gradients are off and which classic mistake reproduces them."""
+    zero = [NAMES[i] for i in wrong if not grads[i].any()]
+    if zero:
+        return (f"no gradient reaches {' and '.join(n[1:] for n in zero)}: it is detached "
+                f"(.detach(), .data, or computed under no_grad)")
+    if mask is not None:
+        unmasked = reference_grads(q, k, v, None, grad_out)
+        if all(max_error(grads[i], unmasked[i]) <= allowed[i] for i in wrong):
+            return "the backward ignores the mask (weights recomputed without it?)"
+    if 2 not in wrong:
+        scale = 1 / math.sqrt(q.shape[-1])
+        if all(max_error(grads[i].double().cpu() * scale, expected[i]) <= allowed[i] for i in wrong):
+            return "dQ and dK miss the 1/sqrt(d_k) factor of the forward (a hand-written backward?)"
+        return "dV is right but dQ and dK are not: the backward through the softmax is wrong " \
+               "(dS = A * (dA - rowsum(A * dA)) without the rowsum term?)"
+    return "the gradients are not those of the forward (a custom autograd.Function with a wrong backward?)"
+
+
+class _ThroughTarget(torch.autograd.Function):
+    """Forward = ``target.attend``, backward = ``target.vjp``: what gradcheck holds against each other."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, target, mask):
+        ctx.target, ctx.mask = target, mask
+        ctx.save_for_backward(q, k, v)
+        return target.attend(q, k, v, mask)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        _, dq, dk, dv = ctx.target.vjp(q, k, v, ctx.mask, grad_out)
+        return dq, dk, dv, None, None
+
+
+def _gradcheck(target, case):
+    """torch.autograd.gradcheck: the target's backward against finite differences of its forward."""
+    q, k, v, mask = case.tensors()
+    inputs = tuple(t.requires_grad_(True) for t in (q, k, v))
+    try:
+        torch.autograd.gradcheck(lambda *x: _ThroughTarget.apply(*x, target, mask), inputs,
+                                 eps=1e-6, atol=1e-5, rtol=1e-3)
+    except GradcheckError as exc:
+        raise Failure(f"gradcheck: {str(exc).strip().splitlines()[0]}",
+                      cause="the backward is not the derivative of the forward: finite differences of the "
+                            "output disagree with the target's own gradients (a custom autograd.Function "
+                            "whose backward does not match its forward?)") from None

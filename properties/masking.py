@@ -1,0 +1,233 @@
+"""Masks and batches: what a mask removes, and what each batch element may see.
+
+Each function's docstring states the math, why it matters, and the bugs it catches.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from attn_spec import probes, reference
+from attn_spec.adapters import FUNCTION_CONVENTIONS
+from attn_spec.cases import Case
+from attn_spec.catalog import prop
+from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.tolerance import budget, max_error
+
+F64 = torch.float64
+
+
+def push_limit(dtype: torch.dtype) -> float:
+    """The largest raw score |q . k| the kit pushes inputs to: far beyond any softmax's
+    comfort, yet representable, with headroom for the module adapter's input gain."""
+    return min(1e6, torch.finfo(dtype).max / 64)
+
+
+def _push_keys(q, k, masked, limit):
+    """K moved at ``masked`` keys so that q . k there is about +limit (K [..., Tk, Dk], one query per batch)."""
+    size = (limit / q.double().abs().sum(dim=-1, keepdim=True).clamp_min(1.0)).to(k.dtype)  # [..., 1, 1]
+    direction = torch.where(q >= 0, 1.0, -1.0).to(k.dtype)  # [..., 1, Dk] sign(q), sign(0) = +1
+    return torch.where(masked, k + size * direction, k)  # [..., Tk, Dk]
+
+
+def _one_query_per_element(q, k, v, mask, rows):
+    """Query ``rows`` each in a batch element of its own with its own copy of K, V and its mask row,
+    so that the keys masked for that one query can be changed freely."""
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], mask.shape[:-2])
+    r = len(rows)
+    qs = q.expand(*batch, *q.shape[-2:])[..., rows, :].unsqueeze(-2)  # [..., R, 1, Dk]
+    ks = k.expand(*batch, *k.shape[-2:]).unsqueeze(-3).expand(*batch, r, *k.shape[-2:]).clone()  # [..., R, Tk, Dk]
+    vs = v.expand(*batch, *v.shape[-2:]).unsqueeze(-3).expand(*batch, r, *v.shape[-2:]).clone()  # [..., R, Tk, Dv]
+    ms = mask.expand(*batch, *mask.shape[-2:])[..., rows, :].unsqueeze(-2)  # [..., R, 1, Tk]
+    return qs, ks, vs, ms
+
+
+def _leak_cause(w, allowed, q, k, mask) -> str:
+    """Why masked keys got weight: inverted polarity, an ignored mask, or a finite fill value."""
+    mixed = (~allowed).any(dim=-1)  # [..., Tq] rows with some masked key
+    on_allowed = w.masked_fill(~allowed, 0.0).nan_to_num(0.0).sum(dim=-1)  # [..., Tq]
+    if mixed.any() and on_allowed[mixed].abs().max() < 1e-3:
+        return "the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get all the weight"
+    if max_error(w, reference.attention(q, k, k, None)[1]) < 1e-3:
+        return "the mask is ignored"
+    if w.masked_fill(allowed, 0.0).nan_to_num(1.0).abs().max() < 1e-2:
+        return "masked keys keep a small weight: the fill value is finite and too small (use -inf or finfo.min)"
+    return "the mask does not reach these keys (broadcast over the wrong dims, or applied to the wrong axis?)"
+
+
+@prop("mask-semantics", family="masking",
+      statement="masked keys get exactly zero weight; the output does not depend on K or V at masked positions; "
+                "a bool mask and the equivalent additive -inf mask agree when the target takes both",
+      cases={"masks": ("random", "causal"), "min_n_kv": 2}, after=("rows-sum-to-one", "scale-sqrt-dk"),
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, mask="causal"),
+                Case(n_q=3, n_kv=4, d_k=4, d_v=2, dtype="float32", mask="random", seed=3),
+                Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", mask="causal")])
+def mask_semantics(target, case):
+    """A[i, j] = 0 exactly where mask[i, j] is False, and out[i] = sum over allowed j of A[i, j] V[j].
+
+    Moving K and V at masked positions to huge finite values (raw scores near +1e6, or
+    finfo.max / 64 in float16) must not change the output; a float mask of 0 / -inf must
+    give what the bool mask gives, and a finite float mask acts as a bias added *after*
+    scaling. NaN in masked K/V is a convention (``0 * NaN`` propagates), probed and
+    reported in the header, not judged here.
+
+    Why: padding and causal masks are how a model is told what does not exist; a masked key
+    that still counts leaks padding or the future, often silently. Catches: inverted polarity,
+    a mask applied after the softmax (multiplied, or renormalised so masked scores still enter
+    the max), a finite fill (-1e4) that large scores overwhelm, -1e9 that float16 cannot
+    hold, an additive mask scaled with the scores.
+    """
+    q, k, v, mask = case.tensors()
+    w = probes.weights(target, q, k, mask).detach().to("cpu", F64)  # [..., Tq, Tk]
+    allowed = mask.cpu().expand(w.shape)  # [..., Tq, Tk]
+    leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
+    if (leak != 0).any():
+        worst = leak.abs().nan_to_num(math.inf).max().item()
+        raise Failure(f"masked keys get weight up to {worst:.3g}, expected exactly 0",
+                      cause=_leak_cause(w, allowed, q, k, mask), got=w,
+                      expected=reference.attention(q, k, k, mask)[1])
+    _check_masked_inputs_unused(target, q, k, v, mask)
+    _check_float_mask(target, case, q, k, v, mask)
+
+
+def _check_masked_inputs_unused(target, q, k, v, mask):
+    """Huge finite K and V at the masked keys of each query leave its output unchanged."""
+    rows = sorted({round(x) for x in torch.linspace(0, q.shape[-2] - 1, min(q.shape[-2], 4)).tolist()})
+    qs, ks, vs, ms = _one_query_per_element(q, k, v, mask, rows)
+    masked = ~ms.transpose(-2, -1)  # [..., R, Tk, 1]
+    limit = push_limit(q.dtype)
+    loud_k, loud_v = _push_keys(qs, ks, masked, limit), torch.where(masked, vs + limit, vs)
+    base = target.attend(qs, ks, vs, ms)  # [..., R, 1, Dv]
+    allowed = 2 * budget(qs, ks, vs, ms, reference.attention(qs, ks, vs, ms)[0])
+    moved = target.attend(qs, loud_k, loud_v, ms)
+    if max_error(moved, base.double().cpu()) <= allowed:
+        return
+    moved_k = target.attend(qs, loud_k, vs, ms)  # which of the two reaches the output?
+    if max_error(moved_k, base.double().cpu()) > allowed:
+        cause = ("masked keys' large scores still enter the softmax, so the allowed weights underflow to 0/0 "
+                 "(mask applied after the softmax, then renormalised?)" if not torch.isfinite(moved_k).all() else
+                 "masked keys still count: the mask is applied after the softmax, or as a finite additive "
+                 "bias that large scores overwhelm (fill with -inf or finfo.min)")
+        raise Failure(f"moving K at masked positions (scores up to about {limit:.3g}) changed the output "
+                      f"of the queries they are masked for", cause=cause, got=moved_k, expected=base)
+    raise Failure(f"adding {limit:.3g} to V at masked positions changed the output",
+                  cause="values at masked positions reach the output: their weight is not exactly 0",
+                  got=moved, expected=base)
+
+
+def _check_float_mask(target, case, q, k, v, mask):
+    """0 / -inf float mask == bool mask; a finite float mask is a bias added after scaling."""
+    float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+    try:
+        got = target.attend(q, k, v, float_mask)  # [..., Tq, Dv]
+    except (TargetRaised, Unsupported):
+        return  # the target does not take float masks: only the bool mask applies
+    out = target.attend(q, k, v, mask)
+    expected = reference.attention(q, k, v, mask)[0]
+    allowed = budget(q, k, v, mask, expected)
+    if max_error(got, out.double().cpu()) > 2 * allowed:
+        cause = ("the float mask is read as a keep-mask (positions equal to 0 are masked)"
+                 if max_error(got, reference.attention(q, k, v, ~mask)[0]) < 1e-3 else
+                 "a float mask is not added to the scores as a bias")
+        raise Failure("a float mask of 0 / -inf gives a different output than the equivalent bool mask",
+                      cause=cause, got=got, expected=out)
+    if max_error(out, expected) > allowed:
+        return  # the plain output is already off: matches-reference reports that, not this property
+    gen = torch.Generator().manual_seed(case.seed)
+    bias = (torch.randint(-2, 3, float_mask.shape, generator=gen) / 2).to(float_mask)  # [..., Tq, Tk] in {-1..1}
+    biased = float_mask + bias
+    got = target.attend(q, k, v, biased)
+    expected = reference.attention(q, k, v, biased)[0]
+    allowed = budget(q, k, v, biased, expected)
+    if max_error(got, expected) > allowed:
+        scaled = reference.attention(q, k, v, biased / math.sqrt(case.d_k))[0]
+        cause = ("the float mask is scaled with the scores ((QK^T + mask) / sqrt(d_k)); add it after scaling"
+                 if max_error(got, scaled) <= max(allowed, 1e-3) else
+                 "a finite float mask is not added to the scaled scores as a bias")
+        raise Failure(f"a float mask with finite values gives error {max_error(got, expected):.3g} "
+                      f"(budget {allowed:.3g})", cause=cause, got=got, expected=expected)
+
+
+def _flat_batch(t, batch):
+    return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])  # [B, T, D]
+
+
+@prop("batch-independence", family="batching",
+      statement="each element of the leading batch/head dims is computed on its own: the batched output "
+                "equals the per-example outputs, and broadcast (stride-0) K/V or masks work",
+      conventions=FUNCTION_CONVENTIONS, cases={"masks": ("none", "random", "causal")}, after=("rows-sum-to-one",),
+      examples=[Case(batch=(2,), n_q=2, n_kv=3, d_k=2, d_v=2, seed=5),
+                Case(batch=(2, 2), n_q=2, n_kv=2, d_k=2, d_v=1, mask="random", seed=6)])
+def batch_independence(target, case):
+    """out[b] = attn(Q[b], K[b], V[b], mask[b]) for every index b of the leading dims.
+
+    Three checks: each element computed alone equals its slice of the batched output; giving
+    element 0 huge scores leaves every other element's output unchanged; K, V and the mask
+    broadcast along the last batch dim with ``expand`` (stride 0, as in multi-query
+    attention) give what their contiguous copies give. (Multi-head modules take 2-D inputs,
+    so this applies to the function conventions only.)
+
+    Why: batch and head dims are independent sequences; a leak between them trains on
+    other examples' data and breaks as soon as batch composition changes. Catches: batch
+    and sequence dims interleaved by a reshape (batch-first read as sequence-first), a max
+    or sum over the whole tensor (x.max() without dim), ``.view`` on broadcast K/V.
+    """
+    if not case.batch:
+        return  # nothing to compare: a case without batch dims has one element
+    q, k, v, mask = case.tensors()
+    out = target.attend(q, k, v, mask)  # [..., Tq, Dv]
+    allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])
+    for index in itertools.product(*map(range, case.batch)):
+        alone = target.attend(q[index], k[index], v[index], mask if mask is None or mask.dim() == 2 else mask[index])
+        if max_error(alone, out[index].double().cpu()) > allowed:
+            raise Failure(f"batch element {list(index)} computed alone differs from its slice of the batched output",
+                          cause="batch elements are mixed (a reshape or view that interleaves the batch with the "
+                                "sequence dim, e.g. batch-first read as sequence-first?)",
+                          got=out[index], expected=alone)
+    _check_no_leak(target, case, q, k, v, mask, out, allowed)
+    _check_broadcast(target, q, k, v, mask)
+
+
+def _check_no_leak(target, case, q, k, v, mask, out, allowed):
+    """Huge scores in batch element 0 must not change any other element."""
+    n = math.prod(case.batch)
+    if n < 2:
+        return
+    first = (0,) * len(case.batch)
+    q0, k0 = q[first].double(), k[first].double()  # [Tq, Dk], [Tk, Dk]
+    peak = max((q0.abs().sum(dim=-1).max() * k0.abs().max()).item(), q0.abs().max().item())  # bounds |q . k| and |q|
+    gain = push_limit(q.dtype) / max(peak, 1.0)
+    loud = q.clone()
+    loud[first] = (q0 * gain).to(q.dtype)
+    got = _flat_batch(target.attend(loud, k, v, mask), case.batch)[1:]  # [B - 1, Tq, Dv]
+    before = _flat_batch(out, case.batch)[1:]
+    if max_error(got, before.double().cpu()) > allowed:
+        cause = ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
+                 "underflow the others to 0/0" if not torch.isfinite(got).all() else
+                 "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
+        raise Failure(f"scaling the queries of batch element 0 by {gain:.3g} changed the outputs of other elements",
+                      cause=cause, got=got, expected=before)
+
+
+def _check_broadcast(target, q, k, v, mask):
+    """K, V and mask expanded (stride 0) along the last batch dim == their contiguous copies."""
+    batch = q.shape[:-2]
+
+    def shared(t):  # one slice shared along the last batch dim, as multi-query attention shares K/V
+        t = t.expand(*batch, *t.shape[-2:])
+        return t[..., :1, :, :].expand(t.shape)
+
+    k_b, v_b = shared(k), shared(v)
+    m_b = None if mask is None else shared(mask)
+    expected = target.attend(q, k_b.contiguous(), v_b.contiguous(), None if m_b is None else m_b.contiguous())
+    try:
+        got = target.attend(q, k_b, v_b, m_b)
+    except TargetRaised as exc:
+        exc.cause = "broadcast (stride-0) inputs are rejected: a .view() on an expanded tensor? (use .reshape())"
+        raise
+    allowed = 2 * budget(q, k_b, v_b, m_b, reference.attention(q, k_b, v_b, m_b)[0])
+    if max_error(got, expected.double().cpu()) > allowed:
+        raise Failure("K, V and mask expanded with stride 0 give a different output than contiguous copies",
+                      cause="broadcast (stride-0) inputs are read as if contiguous", got=got, expected=expected)

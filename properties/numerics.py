@@ -1,0 +1,202 @@
+"""Numerics: linearity in V, softmax shift invariance, and large scores.
+
+Each function's docstring states the math, why it matters, and the bugs it catches.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attn_spec import reference
+from attn_spec.cases import Case
+from attn_spec.catalog import prop
+from attn_spec.errors import Failure
+from attn_spec.properties.masking import push_limit
+from attn_spec.tolerance import budget, max_error
+
+F64 = torch.float64
+
+
+def _second_values(case, like):
+    """Another V of the same shape, drawn like the case's own (small integers or normal)."""
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    if case.values == "integers":
+        v = torch.randint(-2, 3, like.shape, generator=gen).double()
+    else:
+        v = torch.randn(like.shape, generator=gen, dtype=F64)
+    return (v * case.magnitude).to(like)
+
+
+@prop("value-linearity", family="values",
+      statement="the output is linear in V and each output row lies in the convex hull of the rows of V",
+      after=("rows-sum-to-one",),
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, seed=1),
+                Case(batch=(2,), n_q=3, n_kv=3, d_k=2, d_v=3, values="normal", magnitude=3.0, mask="random", seed=2)])
+def value_linearity(target, case):
+    """attn(Q, K, a V1 + b V2) = a attn(Q, K, V1) + b attn(Q, K, V2), and
+    min_j V[j, c] <= out[i, c] <= max_j V[j, c] over the keys j that query i may attend.
+
+    The weights depend on Q and K only; the output is a weighted *average* of value rows.
+    Why: the probes that read weights (V = identity, V = ones) are only valid if V enters
+    linearly, and a model relies on outputs staying on V's scale. Catches: V normalised
+    (QK-norm applied to V too), V divided by its max and never scaled back, an activation
+    applied to V, weights that are not a convex combination.
+    """
+    q, k, v1, mask = case.tensors()
+    v2 = _second_values(case, v1)
+    a, b = 2.0, -1.0
+    exact = a * v1.double() + b * v2.double()  # [..., Tk, Dv]
+    v3 = exact.to(v1)
+    out1, out2, out3 = (target.attend(q, k, v, mask) for v in (v1, v2, v3))  # [..., Tq, Dv] each
+    wide = torch.cat([v1, v2, v3], dim=-1)  # [..., Tk, 3 Dv]: one reference and one budget cover all three
+    ref = reference.attention(q, k, wide, mask)[0]
+    one = budget(q, k, wide, mask, ref)  # each output's own budget is at most this
+    ref1 = ref[..., :case.d_v]  # [..., Tq, Dv]
+    allowed = (abs(a) + abs(b) + 1) * one + max_error(v3, exact)
+    combined = a * out1.double().cpu() + b * out2.double().cpu()
+    if max_error(out3, combined) > allowed:
+        doubled = target.attend(q, k, (2 * v1.double()).to(v1), mask)
+        cause = ("the output does not scale with V: V is normalised or divided by its max before the weighted sum"
+                 if max_error(doubled, out1.double().cpu()) <= allowed and max_error(doubled, 2 * ref1) > allowed
+                 else "V passes through a nonlinearity (an activation or normalisation) before the weighted sum")
+        raise Failure(f"attn(Q, K, {a:g} V1 {b:+g} V2) differs from {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2) "
+                      f"by {max_error(out3, combined):.3g} (budget {allowed:.3g})", cause=cause, got=out3,
+                      expected=combined)
+    vals = v1.double().cpu().unsqueeze(-3)  # [..., 1, Tk, Dv]
+    keys = torch.tensor(True) if mask is None else mask.cpu().unsqueeze(-1)  # [..., Tq, Tk, 1] allowed keys
+    lo = torch.where(keys, vals, math.inf).amin(dim=-2)  # [..., Tq, Dv]
+    hi = torch.where(keys, vals, -math.inf).amax(dim=-2)  # [..., Tq, Dv]
+    got = out1.double().cpu()
+    outside = torch.maximum(lo - got, got - hi).nan_to_num(math.inf).max().item()
+    if outside > one:
+        raise Failure(f"an output lies {outside:.3g} outside the range of the allowed values (budget {one:.3g})",
+                      cause="the output is not a convex combination of the value rows (negative weights, or "
+                            "weights that do not sum to 1?)", got=got, expected=ref1)
+
+
+def _not_shift_invariant(q, k, v, mask):
+    """(description, output) for classic weightings that a key shift changes, in float64."""
+    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
+    mask = None if mask is None else mask.cpu()
+
+    def scores(keys):
+        s = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
+        return s if mask is None else s.masked_fill(~mask, -math.inf)
+
+    relu = scores(k).relu()
+    yield "the weights are relu(scores) normalised by their sum, not a softmax", (relu / relu.sum(-1, keepdim=True)) @ v
+    yield "the keys are L2-normalised (cosine similarity), which a shift changes", \
+        torch.softmax(scores(F.normalize(k, dim=-1)), dim=-1) @ v
+    s = scores(k)
+    e = torch.exp(s - s.amax(dim=-2, keepdim=True))  # [..., Tq, Tk]
+    yield "the max for a stable softmax is taken over the queries (dim=-2), not the keys", \
+        (e / e.sum(-1, keepdim=True)) @ v
+
+
+@prop("key-shift-invariance", family="softmax",
+      statement="adding the same vector to every key leaves the output unchanged (softmax shift invariance)",
+      after=("rows-sum-to-one", "scale-sqrt-dk"), cases={"min_n_kv": 2},
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, seed=1),
+                Case(n_q=3, n_kv=2, d_k=3, d_v=1, dtype="float32", mask="random", seed=2)])
+def key_shift_invariance(target, case):
+    """attn(Q, K + 1 c^T, V) = attn(Q, K, V) for any vector c.
+
+    q_i . (k_j + c) = q_i . k_j + q_i . c: every score of row i moves by the same amount,
+    and softmax(s + t) = softmax(s). Why: a softmax is defined up to that shift, which is
+    what makes max-subtraction legal; an attention that is not shift invariant is not a
+    softmax of the scores. Catches: relu or sum normalisation instead of exp, L2-normalised
+    keys, a stabilising max taken over the wrong axis.
+    """
+    q, k, v, mask = case.tensors()
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    sign = torch.randint(0, 2, (case.d_k,), generator=gen) * 2 - 1
+    direction = (torch.randint(1, 3, (case.d_k,), generator=gen) * sign).double()  # [Dk], entries +-1 or +-2
+    k64, q_sum = k.double(), q.double().abs().sum(dim=-1).max().item()
+    room = push_limit(q.dtype) / (2 * max(q_sum, 1.0))  # the shift moves a raw score by at most push_limit
+    size = min(2 * max(1.0, k64.abs().max().item()), room)
+    shifted = (k64 + size * direction.to(k64.device)).to(k.dtype)  # [..., Tk, Dk]
+    ref, ref_shifted = reference.attention(q, k, v, mask)[0], reference.attention(q, shifted, v, mask)[0]
+    allowed = budget(q, k, v, mask, ref) + budget(q, shifted, v, mask, ref_shifted) + max_error(ref_shifted, ref)
+    before, after = target.attend(q, k, v, mask), target.attend(q, shifted, v, mask)  # [..., Tq, Dv]
+    err = max_error(after, before.double().cpu())
+    if err > allowed:
+        raise Failure(f"adding {size:.3g} * {direction.tolist()} to every key changed the output by {err:.3g} "
+                      f"(budget {allowed:.3g})", cause=_shift_cause(before, after, q, k, shifted, v, mask, allowed),
+                      got=after, expected=before)
+
+
+def _shift_cause(before, after, q, k, shifted, v, mask, allowed) -> str:
+    """The classic weighting that reproduces the target's outputs before and after the shift."""
+    def reproduces(got, out):  # NaN where the mistake gives NaN counts as reproduced
+        limit = max(allowed, 1e-3 * max(1.0, out.nan_to_num(0.0).abs().max().item()))
+        return max_error(got.nan_to_num(0.0), out.nan_to_num(0.0)) <= limit
+
+    for (cause, out), (_, out_shifted) in zip(_not_shift_invariant(q, k, v, mask),
+                                              _not_shift_invariant(q, shifted, v, mask)):
+        if reproduces(before, out) and reproduces(after, out_shifted):
+            return cause
+    if torch.isfinite(before).all() and not torch.isfinite(after).all():
+        return "shifted scores overflow exp: subtract each row's max before exp"
+    return "the weights are not a softmax of the scores (a shift of every score in a row changes them)"
+
+
+def _unstable_softmaxes(q, k, v, mask):
+    """(description, output) for the classic unstable softmaxes, in the inputs' dtype."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
+    s = s if mask is None else s.masked_fill(~mask, -math.inf)
+    for description, shift in (("exp overflows or underflows to 0/0 on large scores: subtract each row's max "
+                                "before exp", 0.0),
+                               ("the max is taken over more than the row (x.max() without dim=-1?): rows with "
+                                "smaller scores underflow to 0/0", s.max())):
+        e = torch.exp(s - shift)
+        yield description, (e / e.sum(dim=-1, keepdim=True)) @ v
+
+
+def beyond_exp(dtype: torch.dtype) -> float:
+    """A score 4x beyond where exp overflows in ``dtype`` (log of its largest value)."""
+    return 4 * math.log(torch.finfo(dtype).max)
+
+
+@prop("numerical-stability", family="numerics",
+      statement="large-magnitude scores (far beyond exp's range in the dtype) and rows of very different "
+                "magnitude give finite outputs that match the reference",
+      after=("rows-sum-to-one", "scale-sqrt-dk", "causal-mask", "mask-semantics", "matches-reference"),
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float32", seed=0),
+                Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", seed=1),
+                Case(n_q=3, n_kv=2, d_k=2, d_v=1, seed=2)])
+def numerical_stability(target, case):
+    """With even query rows scaled (or negated) so that their largest allowed score is
+    +4 log(finfo.max) (44 in float16, 355 in float32, 2839 in float64) and odd rows left as
+    they are, attn matches the float64 reference within budget, with no NaN or inf. Q K^T
+    stays representable.
+
+    softmax(s) = exp(s - max_j s_j) / sum_j exp(s_j - max_j s_j) is exact in any range; exp(s)
+    alone overflows past log(finfo.max). Why: trained models do produce such scores (large
+    activations, long contexts, float16), and one NaN spreads to the whole batch through the
+    backward pass. Catches: exp without subtracting the row max, a max over the whole
+    tensor (x.max() without dim), scores clamped "for safety".
+    """
+    q, k, v, mask = case.tensors()
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(case.d_k)  # [..., Tq, Tk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, 0.0)  # the peak is picked among allowed keys
+    row_peak = scores.gather(-1, scores.abs().argmax(dim=-1, keepdim=True))[..., 0]  # [..., Tq] signed
+    cap = push_limit(q.dtype) / q.double().abs().amax(dim=-1).clamp_min(1.0)  # keeps Q representable
+    gain = (beyond_exp(q.dtype) / row_peak).clamp(-cap, cap)  # the peak becomes +4 log(finfo.max)
+    even = (torch.arange(case.n_q, device=q.device) % 2 == 0).expand(row_peak.shape)  # [..., Tq]
+    gain = torch.where(even & (row_peak != 0), gain, torch.ones_like(gain))  # [..., Tq]
+    loud = (q.double() * gain.unsqueeze(-1)).to(q.dtype)  # [..., Tq, Dk]
+    got = target.attend(loud, k, v, mask)  # [..., Tq, Dv]
+    expected = reference.attention(loud, k, v, mask)[0]
+    allowed = budget(loud, k, v, mask, expected)
+    err = max_error(got, expected)
+    if err > allowed:
+        bad = ~torch.isfinite(got).all(dim=-1)  # [..., Tq] rows with NaN or inf
+        cause = next((d for d, out in _unstable_softmaxes(loud, k, v, mask)
+                      if bad.any() and torch.equal(~torch.isfinite(out).all(dim=-1), bad)),
+                     "large scores are clipped or lose precision (a clamp on the scores, or a narrower type inside?)"
+                     if not bad.any() else "NaN or inf in rows with large scores")
+        raise Failure(f"with scores up to {beyond_exp(q.dtype):.3g} in some rows, error {err:.3g} against the "
+                      f"float64 reference (budget {allowed:.3g})", cause=cause, got=got, expected=expected)

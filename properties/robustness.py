@@ -1,0 +1,346 @@
+"""Robustness: what a correct formula can still get wrong as code.
+
+Randomness left on at inference, inputs written in place, outputs in the wrong dtype, memory
+layouts assumed, long rows, grouped K/V heads. Each property checks one of them on a black box.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attn_spec import reference
+from attn_spec.adapters import FUNCTION_CONVENTIONS
+from attn_spec.cases import Case, MhaCase
+from attn_spec.catalog import prop
+from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.properties.core import _cross_or_self
+from attn_spec.tolerance import budget, max_error, multihead_budget
+
+
+def _output(target, case):
+    """The target's output: plain attention for a Case, the module's own forward for an MhaCase."""
+    if isinstance(case, MhaCase):
+        x_q, x_kv, weights, mask = case.tensors()
+        return target.multihead(x_q, x_kv, weights, case.n_heads, mask)  # [Tq, D]
+    return target.attend(*case.tensors())  # [..., Tq, Dv]
+
+
+def _identical(a, b) -> bool:
+    """Same shape, dtype and values, NaN matching NaN: the bitwise sense of "the same output"."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    same = a == b
+    return bool((same | (a.isnan() & b.isnan()) if a.is_floating_point() else same).all())
+
+
+@prop("determinism", family="robustness",
+      statement="the same inputs give bitwise identical outputs; no dropout or randomness at inference",
+      cases={"batch": False}, multihead="module",
+      examples=[Case(n_q=8, n_kv=8, d_k=4, d_v=4, values="normal", seed=1),
+                MhaCase(n_q=6, n_kv=6, d_model=8, n_heads=2, seed=1)])
+def determinism(target, case):
+    """attn(X) == attn(X) bitwise, for two calls with a call on other inputs in between.
+
+    Why: inference must be reproducible (evaluation, caching, debugging), and a checked
+    property that holds only by chance is worthless. Modules are called in eval() mode.
+    Catches: dropout left on at inference (F.dropout defaults to training=True), random
+    tie-breaking noise, state carried between calls (a KV cache left on, a reused buffer).
+    """
+    if isinstance(case, MhaCase):
+        case = _cross_or_self(target, case)
+    first = _output(target, case)
+    _output(target, case.replace(seed=case.seed + 1))  # other inputs in between: no state may carry over
+    second = _output(target, case)
+    if not _identical(first, second):
+        differ = (first != second).sum().item()
+        raise Failure(f"the same inputs gave different outputs on two calls ({differ} of {first.numel()} entries "
+                      f"differ)", got=second, expected=first,
+                      cause="the output changes from call to call: randomness at inference (dropout left on: "
+                            "F.dropout defaults to training=True; added noise) or state kept between calls "
+                            "(a KV cache left on, a reused buffer)")
+
+
+@prop("inputs-unchanged", family="robustness",
+      statement="the target does not modify Q, K, V or the mask in place",
+      cases={"batch": False}, multihead="module",
+      examples=[Case(n_q=3, n_kv=3, d_k=4, d_v=2, mask="causal", values="normal", seed=1),
+                MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2, mask="causal", seed=1)])
+def inputs_unchanged(target, case):
+    """Q, K, V and mask (x_q, x_kv and mask for a module) are bitwise the same after the call.
+
+    Why: the caller still holds these tensors: a KV cache, the residual stream, a mask
+    shared by every layer. Writing into them corrupts the next layer or the next step with
+    no error. Catches: Q.mul_(scale) or Q /= sqrt(d_k) to save memory, mask.logical_not_()
+    to flip the polarity, K.transpose_() for K^T.
+    """
+    if isinstance(case, MhaCase):
+        case = _cross_or_self(target, case)
+        x_q, x_kv, weights, mask = case.tensors()
+        target.multihead(x_q, x_kv, weights, case.n_heads, mask)
+        fresh = case.tensors()  # rebuilt from the seed: the inputs as they were before the call
+        names, after, before = ("x_q", "x_kv", "mask"), (x_q, x_kv, mask), fresh[:2] + fresh[3:]
+    else:
+        q, k, v, mask = case.tensors()
+        target.attend(q, k, v, mask)
+        names, after, before = ("Q", "K", "V", "mask"), (q, k, v, mask), case.tensors()
+    for name, new, old in zip(names, after, before):
+        if new is None:
+            continue
+        if new.shape != old.shape:
+            raise Failure(f"{name} has shape {list(new.shape)} after the call, {list(old.shape)} before",
+                          cause=f"{name} is transposed or reshaped in place (transpose_, t_, resize_?)")
+        if not _identical(new, old):
+            raise Failure(f"{name} was modified in place by the call", cause=_in_place_cause(name, new, old),
+                          got=new, expected=old)
+
+
+def _in_place_cause(name, new, old) -> str:
+    if new.dtype == torch.bool:
+        return (f"{name} was inverted in place (logical_not_() to switch polarity?)" if torch.equal(new, ~old)
+                else f"{name} was overwritten in place (masked_fill_, copy_?)")
+    ratio = new.double() / old.double()  # [..., T, D]
+    ratio = ratio[old != 0]
+    if ratio.numel() and torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-2):
+        return f"{name} was scaled in place by {ratio[0].item():.4g} ({name}.mul_(scale) or {name} *= ...)"
+    return f"{name} was changed by an in-place operation (a method ending in _ or an augmented assignment)"
+
+
+@prop("dtype-device", family="robustness",
+      statement="the output has the inputs' dtype and device",
+      cases={"batch": False}, multihead="module",
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16"), Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float64"),
+                Case(n_q=2, n_kv=2, d_k=2, d_v=2, dtype="bfloat16", device="cuda"),
+                MhaCase(n_q=2, n_kv=2, d_model=4, n_heads=2, dtype="float16"),
+                MhaCase(n_q=2, n_kv=2, d_model=4, n_heads=2, dtype="float64")])
+def dtype_device(target, case):
+    """attn(Q, K, V).dtype == Q.dtype and attn(Q, K, V).device == Q.device (x_q's for a module).
+
+    Why: the next layer expects what it gave; a float32 output in a float16 model doubles
+    the memory of the residual stream or fails in the next matmul, and a CPU output from CUDA
+    inputs forces a silent device copy. Catches: a float32 softmax never cast back, a result
+    computed in float64 and returned as is, a buffer made with torch.zeros(shape) (default
+    dtype float32, on the CPU).
+    """
+    if isinstance(case, MhaCase):
+        case = _cross_or_self(target, case)
+    out = _output(target, case)
+    want_dtype, want_device = case.torch_dtype, torch.device(case.device)
+    if out.device.type != want_device.type:
+        raise Failure(f"the output is on {out.device} for inputs on {case.device}",
+                      cause="a tensor is created without device= (torch.zeros(shape) lands on the CPU)")
+    if out.dtype != want_dtype:
+        name = str(out.dtype).replace("torch.", "")
+        cause = (f"a buffer is created without dtype= (torch.zeros(shape) is {name}, the default dtype), "
+                 f"or an upcast for the softmax is never cast back" if out.dtype == torch.get_default_dtype()
+                 else f"the result is computed in {name} and never cast back to {case.dtype}")
+        raise Failure(f"the output is {name} for {case.dtype} inputs", cause=cause)
+
+
+def _column_major(t):
+    """The same values, stored transposed: strides [1, rows] in the last two dims."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def _view_into_padding(t):
+    """The same values as every other row and an inner column range of a buffer full of NaN (False)."""
+    fill = False if t.dtype == torch.bool else math.nan
+    buffer = torch.full((*t.shape[:-2], 2 * t.shape[-2], t.shape[-1] + 2), fill, dtype=t.dtype, device=t.device)
+    view = buffer[..., ::2, 1:-1]  # [..., T, D], storage offset 1, row stride 2 * (D + 2)
+    view.copy_(t)
+    return view
+
+
+def _relaid(inputs, layout):
+    """The inputs in another memory layout; a tensor passed twice (x_kv is x_q) stays one tensor."""
+    done = {}
+    for t in inputs:
+        if t is not None and id(t) not in done:
+            done[id(t)] = layout(t)
+    return tuple(None if t is None else done[id(t)] for t in inputs)
+
+
+def _two_heads_sharing_kv(q, k, v, mask):
+    """Q stacked as two identical heads [..., 2, Tq, Dk]; K, V and mask broadcast to both with stride 0."""
+    def shared(t):  # [..., T, D] -> [..., 2, T, D], stride 0 on the new dim (as MQA kernels see K/V)
+        return None if t is None else t.unsqueeze(-3).expand(*t.shape[:-2], 2, *t.shape[-2:])
+    return (torch.stack([q, q], dim=-3), shared(k), shared(v), shared(mask))
+
+
+@prop("non-contiguous", family="robustness",
+      statement="transposed, sliced and expanded inputs give the same result as contiguous copies",
+      multihead="module", after=("determinism", "inputs-unchanged", "matches-reference"),
+      examples=[Case(batch=(2,), n_q=3, n_kv=4, d_k=3, d_v=2, mask="random", values="normal", seed=1),
+                MhaCase(n_q=3, n_kv=4, d_model=4, n_heads=2, mask="random", seed=1)])
+def non_contiguous(target, case):
+    """attn(strided X) == attn(X.contiguous()) within the budget, for three layouts of the same values.
+
+    Layouts: column-major storage (a transpose), a strided view into a NaN-filled buffer (a
+    slice with a storage offset), and (for attention functions) K, V and mask broadcast with
+    stride 0 over two heads of the same queries.
+    Why: real inputs are views: heads split by transpose, KV caches sliced, masks expanded.
+    Catches: .view() on a non-contiguous tensor, kernels that index i * D + j from the data
+    pointer (they read the transposed values, or the NaN around a slice).
+    """
+    if isinstance(case, MhaCase):
+        case = _cross_or_self(target, case)
+        weights = case.tensors()[2]
+
+        def inputs():  # fresh tensors on every call: the target may write into the ones it gets
+            x_q, x_kv, _, mask = case.tensors()
+            return x_q, x_kv, mask
+
+        def run(x_q, x_kv, m):
+            return target.multihead(x_q, x_kv, weights, case.n_heads, m)
+
+        def allowed(x_q, x_kv, m):
+            ref = reference.multihead(x_q, x_kv, *weights.values(), case.n_heads, m)[0]
+            return 2 * multihead_budget(x_q, x_kv, weights, case.n_heads, m, ref)
+    else:
+        inputs = case.tensors  # fresh tensors on every call
+
+        def run(q, k, v, m):
+            return target.attend(q, k, v, m)
+
+        def allowed(q, k, v, m):
+            return 2 * budget(q, k, v, m, reference.attention(q, k, v, m)[0])
+    limit, expected = allowed(*inputs()), run(*inputs())  # [..., Tq, Dv]
+    for layout, relayout in (("transposed (column-major)", _column_major),
+                             ("sliced (strided views into a NaN-filled buffer)", _view_into_padding)):
+        _same_output(run, layout, _relaid(inputs(), relayout), expected, limit)
+    if isinstance(case, Case):
+        same = expected.unsqueeze(-3).expand(*expected.shape[:-2], 2, *expected.shape[-2:])  # [..., 2, Tq, Dv]
+        _same_output(run, "expanded (stride-0 broadcast)", _two_heads_sharing_kv(*inputs()), same, limit)
+
+
+def _same_output(run, layout, strided, expected, limit):
+    """run(*strided) must equal ``expected``, the output on contiguous copies, within ``limit``."""
+    try:
+        got = run(*strided)
+    except TargetRaised as exc:
+        exc.message = f"on {layout} inputs, {exc.message}"
+        exc.cause = "the code assumes contiguous inputs: .view() on a non-contiguous tensor (use .reshape())?"
+        raise
+    err = max_error(got, expected.double().cpu())
+    if err > limit:
+        cause = ("the code reads outside the view: it ignores the strides or the storage offset (NaN from "
+                 "the buffer around the slice)" if not torch.isfinite(got).all()
+                 else "the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
+                      "or a kernel computing i * D + j)")
+        raise Failure(f"{layout} inputs give a different output than contiguous copies of them: max "
+                      f"difference {err:.3g}, budget {limit:.3g}", cause=cause, got=got, expected=expected)
+
+
+LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) give 520 keys, thorough's 2048
+
+
+@prop("long-sequences", family="robustness",
+      statement="lengths well beyond toy sizes (hundreds in the default profile, thousands in thorough) and "
+                "head dims up to 256 work and match the reference",
+      cases={"batch": False}, after=("determinism", "matches-reference", "numerical-stability"),
+      examples=[Case(n_q=4, n_kv=520, d_k=16, d_v=8, dtype="float16", values="normal", magnitude=1.75),
+                Case(n_q=8, n_kv=160, d_k=256, d_v=256, dtype="float32", values="normal", seed=1),
+                Case(n_q=64, n_kv=160, d_k=64, d_v=32, dtype="float32", mask="causal", values="normal", seed=2)])
+def long_sequences(target, case):
+    """attn(Q, K, V) matches the reference with n_kv = 4 * (drawn n_kv) keys and the drawn d_k (up to 256).
+
+    A causal case becomes the last n_q positions of the long sequence (bottom-right causal
+    mask), as in KV-cache decoding. Why: toy sizes hide every bug that needs many keys or
+    wide heads, and production runs thousands of keys. Catches: a fixed KV buffer or block
+    loop that drops keys beyond it, exp without max subtraction (the float16 sum of
+    thousands of exponentials overflows), a head-dim limit that ignores dims beyond a tile.
+    """
+    got = target.attend(*_long_inputs(case))  # [Tq, Dv]
+    q, k, v, mask = _long_inputs(case)  # the kit's own copies: the target may write into its inputs
+    expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
+    allowed = budget(q, k, v, mask, expected)
+    err = max_error(got, expected)
+    if err > allowed:
+        raise Failure(f"with {case.n_q} queries over {k.shape[-2]} keys (d_k={case.d_k}, d_v={case.d_v}, "
+                      f"{case.dtype}) the max error is {err:.3g}, budget {allowed:.3g}",
+                      cause=_explain_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed),
+                      got=got, expected=expected)
+
+
+def _long_inputs(case):
+    """Q [Tq, Dk], K [4 Tk, Dk], V [4 Tk, Dv] and the mask of the case, stretched to many keys."""
+    n_kv = max(LONG_KEYS * case.n_kv, case.n_q)
+    q, k, v, mask = case.replace(n_kv=n_kv, mask="none" if case.mask == "causal" else case.mask).tensors()
+    if case.mask == "causal":
+        mask = reference.causal_mask(case.n_q, n_kv, alignment="bottom-right", device=q.device)  # [Tq, Tk]
+    return q, k, v, mask
+
+
+def _explain_long(got, q, k, v, mask, expected, allowed) -> str:
+    """Which long-sequence mistake reproduces the output: overflow, dropped keys, ignored dims?"""
+    if not torch.isfinite(got).all():
+        return "the output overflows to NaN or inf on long rows (float16 sums beyond 65504? exp without max?)"
+    if not got.abs().amax(dim=-1).all() and expected.abs().amax(dim=-1).all():
+        return "rows come out as zeros: the softmax's sum overflowed to inf (exp without subtracting the max?)"
+    n_kv, d_k = k.shape[-2], q.shape[-1]
+    for kept in (128, 256, 512, 1024, 2048):
+        if kept < n_kv:
+            m = None if mask is None else mask[..., :kept]
+            if m is None or m.any(dim=-1).all():
+                truncated = reference.attention(q, k[..., :kept, :], v[..., :kept, :], m)[0]
+                if max_error(got, truncated) <= allowed:
+                    return f"only the first {kept} keys are used: a fixed-size buffer or block loop drops the rest"
+    for dims in (64, 128):
+        if dims < d_k:
+            partial = reference.attention(q[..., :dims], k[..., :dims], v, mask, scale=1 / math.sqrt(d_k))[0]
+            if max_error(got, partial) <= allowed:
+                return f"only the first {dims} of d_k={d_k} dims enter the scores (a head-dim tile limit)"
+    return "long rows lose accuracy (an accumulation kept in a low precision?)"
+
+
+GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV head), picked by the case's seed
+
+
+@prop("gqa-equivalence", family="multi-head",
+      statement="where the target supports grouped-query attention: it equals multi-head attention with K/V "
+                "heads repeated (query head h reads KV head h // g)",
+      conventions=FUNCTION_CONVENTIONS, after=("matches-reference", "batch-independence"),
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal"),
+                Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)])
+def gqa_equivalence(target, case):
+    """attn(Q [..., g*Hkv, Tq, Dk], K [..., Hkv, Tk, Dk], V) = attn(Q, K', V'), K' = K.repeat_interleave(g, dim=-3).
+
+    Query head h reads KV head h // g: groups of g consecutive query heads share one KV head
+    (as in Llama, Mistral and SDPA's enable_gqa). A target that raises on unequal head counts
+    does not support GQA: the property is then a skip. Why: GQA shrinks the KV cache g-fold,
+    and a wrong head mapping still trains, only worse. Catches: K/V tiled with repeat
+    ([h0, h1, h0, h1]) instead of repeat_interleave, every query head reading KV head 0.
+    """
+    n_kv_heads, group = GROUPINGS[case.seed % len(GROUPINGS)]
+    n_heads = n_kv_heads * group
+    try:
+        got = target.attend(*_grouped_inputs(case, n_heads, n_kv_heads))  # [..., Hq, Tq, Dv]
+    except TargetRaised as exc:
+        raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
+                          f"{exc.message}", total=True) from None
+    q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
+    repeated = [t.repeat_interleave(group, dim=-3) for t in (k, v)]  # [..., Hq, Tk, D]
+    expected, _ = reference.attention(q, *repeated, mask)
+    allowed = budget(q, *repeated, mask, expected)
+    err = max_error(got, expected)
+    if err > allowed:
+        raise Failure(f"with {n_heads} query heads over {n_kv_heads} KV heads the max error is {err:.3g}, "
+                      f"budget {allowed:.3g}", cause=_explain_gqa(got, q, k, v, mask, group, allowed),
+                      got=got, expected=expected)
+
+
+def _explain_gqa(got, q, k, v, mask, group, allowed) -> str:
+    """Which wrong head mapping reproduces the output?"""
+    tiled = [t.repeat(*[1] * (t.dim() - 3), group, 1, 1) for t in (k, v)]  # heads [h0, h1, h0, h1]
+    if max_error(got, reference.attention(q, *tiled, mask)[0]) <= allowed:
+        return ("K/V heads are tiled with repeat ([h0, h1, h0, h1]) instead of repeat_interleave: query head h "
+                "reads KV head h % Hkv, not h // g")
+    if max_error(got, reference.attention(q, k[..., :1, :, :], v[..., :1, :, :], mask)[0]) <= allowed:
+        return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
+    return "query heads are not mapped to KV head h // g"
+
+def _grouped_inputs(case, n_heads, n_kv_heads):
+    """Q [..., Hq, Tq, Dk], K and V [..., Hkv, Tk, D], mask [..., Hq, Tq, Tk] or [Tq, Tk]."""
+    q, _, _, mask = case.replace(batch=case.batch + (n_heads,)).tensors()
+    _, k, v, _ = case.replace(batch=case.batch + (n_kv_heads,), seed=case.seed + 1).tensors()
+    return q, k, v, mask

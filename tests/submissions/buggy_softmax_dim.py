@@ -1,0 +1,11 @@
+"""Buggy: the softmax runs over the queries (dim=-2)."""
+import math
+
+import torch
+
+
+def attention(Q, K, V, mask=None):
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-2) @ V

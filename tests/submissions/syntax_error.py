@@ -1,0 +1,4 @@
+import torch
+
+def attention(Q, K, V, mask=None)
+    return Q

@@ -1,0 +1,96 @@
+"""The CI gate: JUnit XML, markdown, GitHub annotations, expectations files, dtype/device selection."""
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from attn_spec.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BUGGY = str(ROOT / "examples" / "buggy_attention.py") + ":attention"
+SEED = str(ROOT / "examples" / "seed_attention.py") + ":attention"
+QUICK = ["--profile", "quick", "--seed", "5"]
+ONLY = ["--only", "rows-sum-to-one", "scale-sqrt-dk", "matches-reference", "head-concat-equivalence"]
+
+
+def test_junit_has_one_testcase_per_property(capsys):
+    assert main(["check", BUGGY, *QUICK, *ONLY, "--format", "junit"]) == 1
+    root = ET.fromstring(capsys.readouterr().out)
+    assert root.tag == "testsuites"
+    (suite,) = root.findall("testsuite")
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert set(cases) == {"rows-sum-to-one", "scale-sqrt-dk", "matches-reference", "head-concat-equivalence"}
+    assert all(c.get("classname") and float(c.get("time")) >= 0 for c in cases.values())
+    failure = cases["scale-sqrt-dk"].find("failure")
+    assert failure is not None and "1/d_k" in failure.get("message") and "reproduce" in failure.text
+    assert cases["head-concat-equivalence"].find("skipped") is not None
+    assert cases["rows-sum-to-one"].find("failure") is None and cases["rows-sum-to-one"].find("skipped") is None
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped"), suite.get("errors")) == ("4", "2", "1", "0")
+
+
+def test_markdown_is_a_step_summary(capsys):
+    assert main(["check", BUGGY, *QUICK, *ONLY, "--format", "markdown"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("# Conformance report") and "| property" in out and "```python" in out
+
+
+def test_github_annotations_only_under_actions(capsys, monkeypatch):
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    main(["check", BUGGY, *QUICK, *ONLY])
+    assert "::error" not in capsys.readouterr().out
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    main(["check", BUGGY, *QUICK, *ONLY])
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("::error")]
+    assert len(errors) == 2 and any("scale-sqrt-dk" in e for e in errors)
+    assert all("\n" not in e for e in errors)
+
+
+def test_expectations_file(tmp_path, capsys):
+    expect = tmp_path / "known.txt"
+    expect.write_text("# known failures of the buggy example\n"
+                      "scale-sqrt-dk      # divides by d_k\n"
+                      "matches-reference  # follows from it\n"
+                      "rows-sum-to-one    # passes: a stale line\n"
+                      "no-such-id         # a typo\n")
+    code = main(["check", BUGGY, *QUICK, *ONLY, "--expect", str(expect), "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["conforms"] is True
+    expected = {p["id"]: p["expected"] for p in report["targets"][0]["properties"]}
+    assert expected["scale-sqrt-dk"] and expected["matches-reference"] and not expected["rows-sum-to-one"]
+    assert any("'no-such-id' matches no property" in w for w in report["warnings"])
+    assert any("rows-sum-to-one now passes" in w for w in report["warnings"])
+    # without the file the same run fails
+    assert main(["check", BUGGY, *QUICK, *ONLY]) == 1
+
+
+def test_missing_expectations_file_is_a_usage_error(tmp_path, capsys):
+    assert main(["check", SEED, *QUICK, "--expect", str(tmp_path / "nope.txt")]) == 2
+    assert "nope.txt" in capsys.readouterr().err
+
+
+def test_dtypes_and_device_restrict_the_run(capsys):
+    code = main(["check", SEED, *QUICK, "--only", "matches-reference", "--dtypes", "float32", "--device", "cpu",
+                 "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["dtypes"] == ["float32"] and report["devices"] == ["cpu"]
+    ce_free = report["targets"][0]["properties"][0]
+    assert ce_free["status"] == "pass"
+
+
+def test_unavailable_device_is_a_usage_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert main(["check", SEED, *QUICK, "--device", "cuda"]) == 2
+    assert "only cpu" in capsys.readouterr().err
+
+
+def test_reports_command_still_runs(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "reports" / "generate.py"), "--profile", "quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr
+    index = (tmp_path / "README.md").read_text()
+    assert "reference" in index and "does not conform" in index  # the buggy example
+    assert (tmp_path / "torch-sdpa.md").read_text().startswith("# Conformance report")

@@ -1,0 +1,283 @@
+"""``attn-spec check`` end to end: exit codes, load errors, report formats, the JSON contract, a clean
+working directory, and the Python API (``attn_spec.check``, ``attn_spec.reproduce``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import attn_spec
+from attn_spec.adapters import CONVENTIONS
+from attn_spec.cli import main
+from attn_spec.errors import Failure, TargetLoadError
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = str(REPO / "examples" / "seed_attention.py")
+BUGGY = str(REPO / "examples" / "buggy_attention.py")
+QUICK = ["--profile", "quick", "--seed", "5"]
+
+USER_FILE = '''\
+import math
+
+import torch
+
+THRESHOLD = 3
+
+
+def attention(Q, K, V, mask=None):
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ V
+
+
+class AttentionAsClass:
+    """A class whose constructor computes attention: detected as a module unless forced."""
+
+    def __new__(cls, Q, K, V, mask=None):
+        return attention(Q, K, V, mask)
+'''
+
+RAISING_FILE = '''\
+import torch
+
+
+def load_config():
+    raise RuntimeError("config.yaml not found")
+
+
+CONFIG = load_config()
+'''
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty current directory holding the user's files."""
+    (tmp_path / "my_attention.py").write_text(USER_FILE)
+    (tmp_path / "raises.py").write_text(RAISING_FILE)
+    (tmp_path / "userpkg").mkdir()
+    (tmp_path / "userpkg" / "__init__.py").write_text("")
+    (tmp_path / "userpkg" / "broken.py").write_text(RAISING_FILE)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("userpkg", None)  # imported from this test's directory only
+
+
+def cli(capsys, *argv):
+    code = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- exit codes ------------------------------------------------------------------------------------
+
+def test_seed_function_and_module_conform_in_one_run(capsys):
+    code, out, err = cli(capsys, f"{SEED}:attention", f"{SEED}:MultiHeadAttention", *QUICK,
+                         "--only", "causal-mask", "head-concat-equivalence", "matches-reference")
+    assert code == 0, out + err
+    assert f"{SEED}:attention (function convention): CONFORMS" in out
+    assert f"{SEED}:MultiHeadAttention (module convention): CONFORMS" in out
+
+
+def test_buggy_attention_exits_1_naming_the_property(capsys):
+    code, out, _ = cli(capsys, f"{BUGGY}:attention", *QUICK, "--only", "cross-attention-shapes", "scale-sqrt-dk")
+    assert code == 1
+    assert "DOES NOT CONFORM" in out and "✗ scale-sqrt-dk" in out and "1/d_k" in out
+    assert "✗ cross-attention-shapes" not in out
+
+
+# (TARGET and extra arguments, fragments the message must contain)
+LOAD_ERRORS = {
+    "missing file": (["nowhere.py:attention"], ["nowhere.py", "no file"]),
+    "missing name": (["my_attention.py:attn"], ["'attn'", "my_attention.py", "AttentionAsClass, attention"]),
+    "not callable": (["my_attention.py:THRESHOLD"], ["THRESHOLD", "not a function or class"]),
+    "bad module path": (["no_such_pkg.attn:attention"], ["no_such_pkg"]),
+    "no ':' in TARGET": (["my_attention.py"], ["'my_attention.py'", "path/to/file.py:name"]),
+    "nothing after ':'": (["my_attention.py:"], ["'my_attention.py:'", "path/to/file.py:name"]),
+    "unknown --only id": (["my_attention.py:attention", "--only", "rows-sum-to-1"], ["rows-sum-to-1", "known:"]),
+    "unknown --skip id": (["my_attention.py:attention", "--skip", "no-such-id"], ["no-such-id"]),
+}
+
+
+@pytest.mark.parametrize("name", LOAD_ERRORS)
+def test_usage_errors_exit_2_with_one_paragraph(name, workdir, capsys):
+    argv, fragments = LOAD_ERRORS[name]
+    code, out, err = cli(capsys, *argv, *QUICK)
+    assert code == 2 and out == ""
+    message = err.strip()
+    assert message.startswith("attn-spec: ") and "\n\n" not in message and "Traceback" not in message, message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_ambiguous_callable_exits_2(workdir, capsys):
+    (workdir / "helpers.py").write_text("def scale(x):\n    return 2 * x\n")
+    code, out, err = cli(capsys, "helpers.py:scale", *QUICK)
+    assert code == 2 and out == ""
+    assert "scale" in err and "--convention" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("target, user_file", [("raises.py:attention", "raises.py"),
+                                               ("userpkg.broken:attention", os.path.join("userpkg", "broken.py"))])
+def test_import_error_shows_the_users_traceback_only(target, user_file, workdir, capsys):
+    code, out, err = cli(capsys, target, *QUICK)
+    assert code == 2 and out == ""
+    paragraph, _, trace = err.strip().partition("\n\n")
+    assert "RuntimeError: config.yaml not found" in paragraph and target in paragraph
+    path = str(workdir / user_file)
+    assert f'File "{path}", line 5, in load_config' in trace  # the raise itself
+    assert f'File "{path}", line 8, in <module>' in trace
+    assert 'raise RuntimeError("config.yaml not found")' in trace
+    frames = [line for line in trace.splitlines() if line.lstrip().startswith("File ")]
+    assert frames and all(path in line for line in frames), trace  # none of the kit's or importlib's
+
+
+# -- report formats and the JSON contract ----------------------------------------------------------
+
+def _assert_contract(data: dict) -> None:
+    """The public JSON shape CI scripts parse (extra keys are allowed)."""
+    assert isinstance(data["kit_version"], str) and data["kit_version"] == attn_spec.__version__
+    assert isinstance(data["targets"], list) and data["targets"]
+    for target in data["targets"]:
+        assert isinstance(target["target"], str)
+        assert isinstance(target["convention"], str) and target["convention"] in CONVENTIONS
+        assert isinstance(target["conforms"], bool)
+        assert isinstance(target["properties"], list) and target["properties"]
+        for p in target["properties"]:
+            assert isinstance(p["id"], str)
+            assert p["status"] in ("pass", "fail", "error", "skip")
+            assert isinstance(p["message"], str)
+            assert p["counterexample"] is None or isinstance(p["counterexample"], dict)
+            assert isinstance(p["examples"], int) and not isinstance(p["examples"], bool) and p["examples"] >= 0
+            assert isinstance(p["seconds"], float) and p["seconds"] >= 0
+        assert target["conforms"] == all(p["status"] in ("pass", "skip") for p in target["properties"])
+
+
+def test_json_report_matches_the_public_contract(capsys):
+    code, out, _ = cli(capsys, f"{BUGGY}:attention", f"{SEED}:MultiHeadAttention", *QUICK, "--format", "json",
+                       "--only", "scale-sqrt-dk", "head-concat-equivalence")
+    assert code == 1
+    data = json.loads(out)
+    _assert_contract(data)
+    buggy, module = data["targets"]
+    assert (buggy["target"], buggy["convention"], buggy["conforms"]) == (f"{BUGGY}:attention", "function", False)
+    assert (module["convention"], module["conforms"]) == ("module", True)
+    status = {p["id"]: p for p in buggy["properties"]}
+    assert status["scale-sqrt-dk"]["status"] == "fail" and status["scale-sqrt-dk"]["counterexample"]
+    assert status["head-concat-equivalence"]["status"] == "skip" and status["head-concat-equivalence"]["message"]
+    assert {p["status"] for p in module["properties"]} == {"pass"}
+    assert all(p["counterexample"] is None and p["examples"] > 0 for p in module["properties"])
+
+
+def test_markdown_report(capsys):
+    code, out, _ = cli(capsys, f"{BUGGY}:attention", *QUICK, "--format", "markdown", "--only", "scale-sqrt-dk")
+    assert code == 1
+    assert out.startswith("# Conformance report")
+    assert "| property" in out and "|--" in out  # a GitHub table
+    assert "### ✗ scale-sqrt-dk" in out and "```python\n" in out and "attn_spec.reproduce(" in out
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_output_file_gets_the_report_and_stdout_stays_empty(fmt, tmp_path, capsys):
+    path = tmp_path / "report.out"
+    code, out, _ = cli(capsys, f"{SEED}:attention", *QUICK, "--only", "cross-attention-shapes",
+                       "--format", fmt, "--output", str(path))
+    assert code == 0 and out == ""
+    text = path.read_text()
+    if fmt == "json":
+        _assert_contract(json.loads(text))
+    else:
+        assert "CONFORMS" in text and "cross-attention-shapes" in text
+
+
+def test_convention_can_be_forced(workdir, capsys):
+    target = "my_attention.py:AttentionAsClass"
+    code, out, _ = cli(capsys, target, *QUICK, "--only", "cross-attention-shapes", "--format", "json")
+    assert code == 1 and json.loads(out)["targets"][0]["convention"] == "module"  # a class: detected as a module
+    code, out, _ = cli(capsys, target, *QUICK, "--only", "cross-attention-shapes", "--format", "json",
+                       "--convention", "function")
+    result = json.loads(out)["targets"][0]
+    assert code == 0 and (result["convention"], result["conforms"]) == ("function", True)
+    code, out, _ = cli(capsys, f"{SEED}:attention", *QUICK, "--only", "cross-attention-shapes",
+                       "--convention", "module")
+    assert code == 1 and "(module convention)" in out
+
+
+def test_check_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--help"])
+    assert exit_.value.code == 0 and "Examples:" in capsys.readouterr().out
+
+
+def test_top_level_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "Examples:" in capsys.readouterr().out
+
+
+# -- real processes: python -m attn_spec and the console script ---------------------------------------
+
+def _run_clean(command, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_STORAGE_DIRECTORY", "PYTHONDONTWRITEBYTECODE")}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command, target", [
+    ([sys.executable, "-m", "attn_spec"], "my_attention.py:attention"),
+    ([str(Path(sys.executable).with_name("attn-spec"))], "my_attention:attention"),  # a module of the cwd
+], ids=["python -m attn_spec", "attn-spec script"])
+def test_command_leaves_no_files_behind(command, target, tmp_path):
+    (tmp_path / "my_attention.py").write_text(USER_FILE)
+    done = _run_clean(command + ["check", target, *QUICK, "--only", "rows-sum-to-one", "cross-attention-shapes"],
+                      tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CONFORMS" in done.stdout
+    assert sorted(os.listdir(tmp_path)) == ["my_attention.py"]  # no .hypothesis/, no __pycache__/
+
+
+# -- the Python API --------------------------------------------------------------------------------
+
+def _load(path, name):
+    from attn_spec.loading import load_target
+
+    return load_target(f"{path}:{name}")
+
+
+def test_python_api_report():
+    good = attn_spec.check(_load(SEED, "attention"), profile="quick", seed=5, only=["cross-attention-shapes"])
+    assert good.conforms is True
+    assert good.to_dict()["targets"][0]["properties"][0]["status"] == "pass"
+    _assert_contract(good.to_dict())
+    bad = attn_spec.check(_load(BUGGY, "attention"), profile="quick", seed=5, only=["scale-sqrt-dk"])
+    assert bad.conforms is False
+    text = str(bad)
+    assert "attention (function convention): DOES NOT CONFORM" in text
+    assert "✗ scale-sqrt-dk" in text and "likely cause:" in text and "reproduce:" in text
+
+
+def test_reproduction_snippet_reproduces_the_failure(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    code, out, _ = cli(capsys, "examples/buggy_attention.py:attention", *QUICK, "--only", "scale-sqrt-dk",
+                       "--format", "json")
+    assert code == 1
+    snippet = json.loads(out)["targets"][0]["properties"][0]["counterexample"]["reproduce"]
+    with pytest.raises(Failure, match="scale-sqrt-dk"):
+        exec(snippet, {})
+
+
+def test_reproduction_snippet_from_the_python_api():
+    report = attn_spec.check(_load(BUGGY, "attention"), profile="quick", seed=5, only=["scale-sqrt-dk"])
+    snippet = report.targets[0].properties[0].counterexample["reproduce"]
+    with pytest.raises(Failure, match="scale-sqrt-dk"):
+        exec(snippet, {})
+
+
+def test_reproduce_says_when_the_property_holds(capsys):
+    from attn_spec.cases import Case
+
+    attn_spec.reproduce("scale-sqrt-dk", f"{SEED}:attention", Case(n_q=1, d_k=16, d_v=1))
+    assert "scale-sqrt-dk holds on" in capsys.readouterr().out

@@ -1,0 +1,325 @@
+"""`attn-spec grade` on a class of ordinary and hostile submissions (tests/submissions/).
+
+The folder is graded once per module (two jobs, the quick profile, small limits); each test then
+checks one submission's outcome and score, or one property of the outputs.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_spec.cli import main
+from attn_spec.grading import rubric as rubrics
+from attn_spec.grading import wire
+from attn_spec.grading.grader import OUTCOMES
+from attn_spec.grading.scan import scan
+
+HERE = Path(__file__).parent
+ROOT = os.geteuid() == 0
+RUBRIC = """\
+profile = "quick"
+seed = 7
+[limits]
+import_seconds = 5
+call_seconds = 4
+submission_seconds = 120
+memory_mb = 256
+output_kb = 8
+[module]
+required = false
+"""
+CORRECT = ["correct_seed", "correct_einsum_mha", "correct_float64", "correct_folder", "flood", "vandal"]
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "attn_spec", "grade", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grade")
+    subs, out = base / "submissions", base / "out"
+    shutil.copytree(HERE / "submissions", subs, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(subs / "buggy_no_scale.py", subs / "buggy_no_scale_again.py")  # the same code, graded twice
+    bystander = base / "bystander.txt"
+    bystander.write_text("keep me")
+    out.mkdir()
+    if ROOT:  # without privilege separation there is nothing to protect them: see docs/grading.md
+        (subs / "vandal" / "targets.txt").write_text(f"{subs}\n{out}\n{bystander}\n")
+        (subs / "forger" / "targets.txt").write_text(f"{out}\n")
+    before = _digest(subs)
+    (base / "rubric.toml").write_text(RUBRIC)
+    run = _cli(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2)
+    grades = json.loads((out / "grades.json").read_text())
+    by_name = {s["name"]: s for s in grades["submissions"]}
+    return {"run": run, "out": out, "subs": subs, "grades": grades, "by": by_name, "before": before,
+            "bystander": bystander, "base": base}
+
+
+def _points(sub, status=None, convention=None):
+    return {(p["convention"], p["id"]): p["status"] for p in sub["properties"]
+            if (status is None or p["status"] == status) and (convention is None or p["convention"] == convention)}
+
+
+def test_the_run_finishes_and_grades_everyone(graded):
+    assert graded["run"].returncode == 0, graded["run"].stderr
+    names = {p.stem if p.is_file() else p.name for p in graded["subs"].iterdir() if not p.name.startswith((".", "_"))}
+    assert set(graded["by"]) == names
+    assert "graded 28 submission(s)" in graded["run"].stdout
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_no_correct_submission_loses_a_point(graded, name):
+    sub = graded["by"][name]
+    assert sub["outcome"] == "graded", sub["detail"]
+    assert sub["score"] == sub["max_score"] > 0, [p for p in sub["properties"] if p["points"] != p["max_points"]]
+
+
+def test_a_module_is_graded_when_present(graded):
+    both, view = graded["by"]["correct_einsum_mha"], graded["by"]["buggy_heads_view"]
+    assert both["found"] == ["function", "module"]
+    assert _points(both, convention="module")[("module", "head-concat-equivalence")] == "pass"
+    assert _points(view, convention="module")[("module", "head-concat-equivalence")] == "fail"
+    assert all(p["points"] == p["max_points"] for p in view["properties"] if p["convention"] == "function")
+    assert 0 < view["score"] < view["max_score"]
+    assert "module" not in graded["by"]["correct_seed"]["found"]  # optional: absent, not counted
+
+
+@pytest.mark.parametrize("name, failing, passing", [
+    ("buggy_no_scale", "scale-sqrt-dk", "rows-sum-to-one"),
+    ("buggy_softmax_dim", "rows-sum-to-one", "inputs-unchanged"),
+    ("buggy_in_place", "inputs-unchanged", "rows-sum-to-one"),  # its edit reaches the grader's tensors
+    ("returns_nan", "matches-reference", None),
+    ("patches_kit", "matches-reference", None),
+    ("forger", "matches-reference", None),
+])
+def test_wrong_attention_loses_the_properties_it_breaks(graded, name, failing, passing):
+    sub = graded["by"][name]
+    statuses = _points(sub, convention="function")
+    assert sub["outcome"] == "graded"
+    assert statuses[("function", failing)] == "fail"
+    if passing:
+        assert statuses[("function", passing)] == "pass"
+    assert sub["score"] < sub["max_score"]
+
+
+@pytest.mark.parametrize("name, outcome, words", [
+    ("syntax_error", "syntax-error", "line 3"),
+    ("missing_import", "import-error", "'flash_attn_unavailable_module'"),
+    ("missing_attention", "missing-attention", "attention is not defined"),
+    ("loop_in_function", "timeout", "took longer than 4 s"),
+    ("sleeps", "timeout", "took longer than 4 s"),
+    ("loop_at_import", "timeout", "importing the submission took longer than 5 s"),
+    ("exits", "exited", "exit status 3"),
+    ("os_exit", "exited", "os._exit"),
+    ("segfault", "crashed", "SIGSEGV"),
+    ("memory_hog", "memory-limit", "out of memory"),
+    ("lying_subclass", "bad-output", "torch.Tensor subclass AlwaysRight"),
+    ("returns_list", "bad-output", "returned list"),
+])
+def test_each_hostile_submission_gets_its_outcome_and_nothing_it_did_not_earn(graded, name, outcome, words):
+    sub = graded["by"][name]
+    assert sub["outcome"] == outcome
+    assert words in sub["detail"]
+    assert sub["score"] == 0 and sub["max_score"] > 0
+    assert not _points(sub, status="pass")
+
+
+def test_a_forbidden_call_is_reported_with_the_property_results(graded):
+    sdpa, hidden = graded["by"]["forbidden_sdpa"], graded["by"]["forbidden_hidden"]
+    for sub in (sdpa, hidden):
+        assert sub["outcome"] == "forbidden" and sub["score"] == 0
+        assert _points(sub)[("function", "matches-reference")] == "pass"  # still shown: it computes the right thing
+        assert sum(p["points"] for p in sub["properties"]) > 0  # earned, then removed by the penalty
+    assert {"name": "torch.nn.functional.scaled_dot_product_attention", "line": 6,
+            "how": "named in the source"} in sdpa["forbidden"]
+    assert [h["how"] for h in hidden["forbidden"]] == ["called while grading"] * len(hidden["forbidden"])
+    assert "attn_spec.reference.reference_attention" in {h["name"] for h in hidden["forbidden"]}
+    assert "Forbidden calls" in (graded["out"] / "feedback" / "forbidden_hidden.md").read_text()
+
+
+def test_the_same_submission_always_gets_the_same_grade(graded):
+    first, again = graded["by"]["buggy_no_scale"], graded["by"]["buggy_no_scale_again"]
+    assert first["score"] == again["score"]
+    assert [(p["id"], p["status"]) for p in first["properties"]] == [(p["id"], p["status"]) for p in again["properties"]]
+    assert [p["counterexample"]["case"] for p in first["properties"] if p["counterexample"]] == \
+           [p["counterexample"]["case"] for p in again["properties"] if p["counterexample"]]
+
+
+def test_output_is_captured_and_truncated(graded):
+    flood = graded["by"]["flood"]
+    assert flood["output"].startswith("loading line 0 ")
+    assert "more bytes not kept" in flood["output"] and len(flood["output"]) < 8 * 1024 + 100
+
+
+def test_printed_and_written_forgeries_change_nothing(graded):
+    forger = graded["by"]["forger"]
+    assert "All tests passed" in forger["output"]  # it printed its forgery; the grade ignores it
+    assert forger["score"] < forger["max_score"]
+    assert not (graded["subs"] / "grades.json").exists()
+    assert "forger,100" not in (graded["out"] / "grades.csv").read_text()
+    assert "Score: 100" not in (graded["out"] / "feedback" / "forger.md").read_text().split("## What your code printed")[0]
+
+
+@pytest.mark.skipif(not ROOT, reason="children run as the grader's own user when it is not root (docs/grading.md)")
+def test_the_files_around_survive(graded):
+    assert graded["bystander"].read_text() == "keep me"
+    after = _digest(graded["subs"])
+    assert {k: v for k, v in after.items() if not k.endswith("targets.txt")} == \
+           {k: v for k, v in graded["before"].items() if not k.endswith("targets.txt")}
+    assert not list(graded["out"].rglob("pwned.txt"))
+    assert "PermissionError" in graded["by"]["vandal"]["output"]
+    assert graded["by"]["vandal"]["sandbox"]["user"].endswith("(unprivileged)")
+
+
+def test_no_scratch_folder_or_process_is_left_behind(graded):
+    import tempfile
+
+    assert not [p for p in Path(tempfile.gettempdir()).glob("attn-spec-grade-*")
+                if p.stat().st_mtime >= graded["base"].stat().st_mtime]
+    workers = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"attn_spec.grading.zygote" in (proc / "cmdline").read_bytes():
+                workers.append(proc.name)
+        except OSError:
+            pass
+    assert not workers  # the zygote, its monitors and every child are gone
+
+
+def test_grades_json_has_the_documented_shape(graded):
+    data = graded["grades"]
+    assert data["rubric"]["profile"] == "quick" and data["rubric"]["seed"] == 7
+    for sub in data["submissions"]:
+        assert isinstance(sub["name"], str) and sub["outcome"] in OUTCOMES
+        assert isinstance(sub["score"], float) and isinstance(sub["max_score"], float)
+        assert 0 <= sub["score"] <= sub["max_score"]
+        assert isinstance(sub["feedback"], str) and sub["feedback"].startswith(f"# Feedback for {sub['name']}")
+        for prop in sub["properties"]:
+            assert isinstance(prop["id"], str) and isinstance(prop["status"], str)
+            assert isinstance(prop["points"], float) and 0 <= prop["points"] <= prop["max_points"]
+
+
+def test_csv_summary_and_feedback_files(graded):
+    out = graded["out"]
+    rows = list(csv.DictReader((out / "grades.csv").open()))
+    assert [r["name"] for r in rows] == [s["name"] for s in graded["grades"]["submissions"]]
+    assert rows[0]["function:rows-sum-to-one"] in ("0", "2")
+    summary = (out / "summary.md").read_text()
+    assert "## Properties most students fail" in summary and "| matches-reference | function |" in summary
+    feedback = (out / "feedback" / "buggy_no_scale.md").read_text()
+    for words in ("Score:", "scale-sqrt-dk", "Likely cause", "Counterexample", "attn_spec.reproduce("):
+        assert words in feedback
+    assert len(list((out / "feedback").glob("*.md"))) == len(graded["by"])
+
+
+def test_gradescope_results_follow_the_published_fields(tmp_path, capsys):
+    rubric = tmp_path / "rubric.toml"
+    rubric.write_text(RUBRIC)
+    code = main(["grade", str(HERE / "submissions" / "buggy_no_scale.py"), "--gradescope",
+                 "--out", str(tmp_path / "results"), "--rubric", str(rubric)])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert isinstance(results["score"], float) and results["output"]
+    assert {t["status"] for t in results["tests"]} == {"passed", "failed"}
+    for test in results["tests"]:
+        assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
+        assert test["visibility"] == "visible" and test["score"] <= test["max_score"]
+    assert results["score"] == sum(t["score"] for t in results["tests"])
+
+
+def test_usage_errors_are_clear(tmp_path, capsys):
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    (subs / "a.py").write_text("def attention(Q, K, V, mask=None):\n    return V\n")
+    assert main(["grade", str(subs), "--out", str(subs / "grades")]) == 2
+    assert "inside the submissions folder" in capsys.readouterr().err
+    assert main(["grade", str(subs)]) == 2
+    assert "give SUBMISSIONS and --out DIR" in capsys.readouterr().err
+    assert main(["grade", str(subs), "--out", str(tmp_path / "o"), "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- rubric, scan and wire, in-process
+
+
+def test_print_rubric_prints_the_default_rubric(capsys):
+    assert main(["grade", "--print-rubric"]) == 0
+    assert tomllib.loads(capsys.readouterr().out) == tomllib.loads(rubrics.DEFAULT_RUBRIC)
+
+
+def test_rubric_defaults_and_errors():
+    rubric = rubrics.load(None)
+    rubric.check_catalog()
+    assert rubric.conventions["function"].points_for("rows-sum-to-one") == 2
+    assert rubric.conventions["function"].points_for("some-future-property") == 1.0  # default_points
+    custom = rubrics.parse('[function]\ndefault_points = 3\n[function.points]\ncausal-mask = 5\n')
+    assert custom.conventions["function"].points_for("causal-mask") == 5
+    assert custom.conventions["function"].points_for("rows-sum-to-one") == 3  # its table replaces the default's
+    for text, words in [('colour = "red"', "unknown key(s) colour"),
+                        ('[function.points]\nno-such-property = 1', "unknown property 'no-such-property'"),
+                        ('profile = "fast"', "profile='fast'"),
+                        ('[function.points]\nhead-concat-equivalence = 1', "does not apply to the function convention"),
+                        ('[forbidden]\ncalls = ["torch.nn.functional.no_such_thing"]', "names nothing"),
+                        ('[forbidden]\npenalty = 2', "at most 1.0"),
+                        ('[limits]\ncall_seconds = 0', "positive number")]:
+        with pytest.raises(rubrics.RubricError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            rubrics.parse(text).check_catalog()
+
+
+def test_scan_follows_import_aliases_but_not_the_students_own_names():
+    forbidden = ["torch.nn.functional.scaled_dot_product_attention", "attn_spec.reference.*"]
+    source = b"""
+import torch.nn.functional as F
+from torch.nn import functional
+from attn_spec import reference
+def scaled_dot_product_attention(q, k, v):
+    return q
+out = scaled_dot_product_attention(1, 2, 3)
+a = F.scaled_dot_product_attention
+b = functional.scaled_dot_product_attention
+"""
+    hits = scan(source, "x.py", forbidden)["forbidden"]
+    assert hits == [{"name": "attn_spec.reference", "line": 4},
+                    {"name": "torch.nn.functional.scaled_dot_product_attention", "line": 8},
+                    {"name": "torch.nn.functional.scaled_dot_product_attention", "line": 9}]
+    assert scan(b"def f(:\n", "x.py", forbidden)["syntax_error"]["line"] == 1
+
+
+def test_wire_keeps_strides_and_refuses_what_it_does_not_carry():
+    import socket
+
+    a, b = socket.socketpair()
+    sender, receiver = wire.Channel(a), wire.Channel(b)
+    q = torch.arange(6.0).reshape(2, 3).t()  # transposed
+    k = torch.tensor([1.0, 2.0]).expand(3, 2)  # stride 0
+    sender.send({"op": "x"}, [q, k, torch.ones(0, 4, dtype=torch.bfloat16)])
+    header, (q2, k2, e2) = receiver.recv()
+    assert header["op"] == "x" and torch.equal(q2, q) and q2.stride() == q.stride()
+    assert torch.equal(k2, k) and k2.stride() == (0, 1) and e2.shape == (0, 4) and type(q2) is torch.Tensor
+    for record in ({"dtype": "complex64", "shape": [1], "strides": [1], "nbytes": 8, "device": "cpu"},
+                   {"dtype": "float32", "shape": [2], "strides": [1], "nbytes": 4, "device": "cpu"},
+                   {"dtype": "float32", "shape": [1], "strides": [1], "nbytes": 4, "device": "meta"}):
+        head = json.dumps({"tensors": [record]}).encode()
+        a.sendall(len(head).to_bytes(4, "big") + head)
+        with pytest.raises(wire.ProtocolError):
+            receiver.recv()
+    a.sendall((5).to_bytes(4, "big") + b"[[[[[")
+    with pytest.raises(wire.ProtocolError):
+        receiver.recv()

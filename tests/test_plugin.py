@@ -1,0 +1,186 @@
+"""The pytest plugin (``--attn-target``) and properties called from a user's own tests.
+
+Every scenario runs a fresh pytest in a subprocess (``pytester``), as a user would, with the
+plugin loaded through its ``pytest11`` entry point and ``--attn-profile quick`` to stay fast.
+"""
+import re
+
+import pytest
+
+from attn_spec import properties
+
+pytest_plugins = ["pytester"]
+
+CORRECT = """
+import math
+
+import torch
+
+
+def attention(Q, K, V, mask=None):
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))  # [..., n_q, n_kv]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ V  # [..., n_q, d_v]
+
+
+class MultiHeadAttention(torch.nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.h, self.d_k = n_heads, d_model // n_heads
+        self.W_Q, self.W_K, self.W_V, self.W_O = (torch.nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+
+    def forward(self, x_q, x_kv, mask=None):
+        split = lambda t: t.view(t.size(0), self.h, self.d_k).transpose(0, 1)  # [h, n, d_k]
+        heads = attention(split(self.W_Q(x_q)), split(self.W_K(x_kv)), split(self.W_V(x_kv)), mask)
+        return self.W_O(heads.transpose(0, 1).reshape(x_q.size(0), -1))  # [n_q, d_model]
+"""
+BUGGY = CORRECT.replace("/ math.sqrt(Q.size(-1))", "/ Q.size(-1)")  # the classic 1/d_k mistake
+
+
+@pytest.fixture
+def attn_files(pytester):
+    pytester.makepyfile(attn_ok=CORRECT, attn_bad=BUGGY)
+    return pytester
+
+
+def header_seed(result) -> int:
+    return int(re.search(r"--attn-seed=(\d+)", result.stdout.str()).group(1))
+
+
+def test_correct_target_passes_with_one_item_per_property(attn_files):
+    result = attn_files.runpytest_subprocess("--attn-target", "attn_ok.py:attention", "--attn-profile", "quick",
+                                             "--attn-seed", "7", "-v", "-rs")
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(properties.REGISTRY)
+    result.stdout.fnmatch_lines([
+        "attn-spec *: profile quick, --attn-seed=7, torch *, devices cpu*",
+        "attn-spec target: attn_ok.py:attention (function convention)",
+        *[f"attn-spec[[]attn_ok.py:attention[]]::{pid} [PS][AK]*" for pid in properties.REGISTRY],
+        "*SKIPPED*head-concat-equivalence: does not apply to the function convention*",
+    ])
+
+
+def test_buggy_target_fails_with_the_property_id_and_the_lesson(attn_files):
+    """Two targets, each with the properties --attn-only names (repeatable, comma-separated) less --attn-skip."""
+    result = attn_files.runpytest_subprocess("--attn-target", "attn_bad.py:attention", "--attn-target",
+                                             "attn_ok.py:attention", "--attn-only", "scale-sqrt-dk,matches-reference",
+                                             "--attn-only", "rows-sum-to-one,causal-mask", "--attn-skip", "causal-mask",
+                                             "--attn-profile", "quick", "--attn-seed", "3")
+    result.assert_outcomes(passed=4, failed=2)
+    assert result.ret == 1
+    statement = properties.REGISTRY["scale-sqrt-dk"].statement
+    result.stdout.fnmatch_lines([
+        "*attn-spec[[]attn_bad.py:attention[]]::scale-sqrt-dk*",
+        f"✗ scale-sqrt-dk: {statement}",
+        "  what happened: *1/d_k*",
+        "  likely cause: *1/d_k instead of 1/sqrt(d_k)*",
+        "  counterexample (*",
+        "  reproduce:",
+        "*attn_spec.reproduce('scale-sqrt-dk', 'attn_bad.py:attention', case, convention='function')",
+        "rerun: pytest --attn-target=attn_bad.py:attention --attn-only=scale-sqrt-dk --attn-profile=quick "
+        "--attn-seed=3",
+        "*attn-spec[[]attn_bad.py:attention[]]::matches-reference*",
+        "✗ matches-reference: *",
+        "note: scale-sqrt-dk already failed on this target*",
+        "FAILED attn-spec[[]attn_bad.py:attention[]]::scale-sqrt-dk - ✗*",
+        "FAILED attn-spec[[]attn_bad.py:attention[]]::matches-reference - ✗*",
+    ])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--attn-target", "attn_ok.py:attention", "--attn-only", "rows-sum-to-one,no-such-property"],
+     "ERROR: attn-spec: unknown property id(s): no-such-property; known: *rows-sum-to-one*"),
+    (["--attn-target", "missing.py:attention"], "ERROR: attn-spec: Cannot load target: no file 'missing.py'*"),
+], ids=["unknown-id", "missing-file"])
+def test_bad_ids_and_unloadable_targets_are_usage_errors(attn_files, args, message):
+    result = attn_files.runpytest_subprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_inert_without_attn_target(pytester):
+    """Loaded (it is in the plugins line) but silent: no items, no header, nothing printed."""
+    pytester.makepyfile(test_plain="import sys\n\ndef test_plain():\n"
+                                   "    assert 'torch' not in sys.modules  # the plugin costs no torch import\n")
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1)
+    mentions = [line for line in result.outlines if "attn-spec" in line or "attn_spec" in line]
+    assert len(mentions) == 1 and mentions[0].startswith("plugins: ") and "attn-spec" in mentions[0]
+
+
+XDIST_CONFTEST = """
+import os
+
+import pytest
+
+
+class XdistHooks:  # the one pytest-xdist hook the plugin implements (xdist itself is not installed)
+    @pytest.hookspec
+    def pytest_configure_node(self, node): ...
+
+
+def pytest_addhooks(pluginmanager):
+    pluginmanager.add_hookspecs(XdistHooks)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if "WORKER_SEED" in os.environ:  # a worker: xdist has filled workerinput from the controller
+        config.workerinput = {"attn_spec_seed": int(os.environ["WORKER_SEED"])}
+
+
+def pytest_report_header(config):
+    if "WORKER_SEED" not in os.environ:  # the controller: what would each worker receive?
+        node = type("Node", (), {"workerinput": {}})()
+        config.hook.pytest_configure_node(node=node)
+        return f"handed to workers: {node.workerinput}"
+"""
+
+
+def test_xdist_workers_use_the_seed_the_controller_prints(attn_files, monkeypatch):
+    attn_files.makeconftest(XDIST_CONFTEST)
+    args = ("--attn-target", "attn_ok.py:attention", "--attn-only", "rows-sum-to-one", "--co")
+    controller = attn_files.runpytest_subprocess(*args)
+    seed = header_seed(controller)
+    controller.stdout.fnmatch_lines([f"handed to workers: {{'attn_spec_seed': {seed}}}"])
+    monkeypatch.setenv("WORKER_SEED", str(seed))
+    worker = attn_files.runpytest_subprocess(*args)
+    assert header_seed(worker) == seed
+
+
+USER_TESTS = """
+import pytest
+
+from attn_spec import properties
+from attn_spec.cases import Case
+from attn_bad import attention as buggy
+from attn_ok import MultiHeadAttention, attention
+
+
+def test_one_case_on_a_plain_function_and_class():
+    properties.rows_sum_to_one(attention, Case(n_q=3, n_kv=2, d_k=2, d_v=2))
+    properties.rows_sum_to_one(MultiHeadAttention, Case(n_q=3, n_kv=2, d_k=2, d_v=2))
+    with pytest.raises(AssertionError, match="1/d_k"):
+        properties.scale_sqrt_dk(buggy, Case(n_q=1, d_k=16, d_v=1))
+
+
+def test_check_property_passes_and_skips():
+    assert properties.check_property("matches-reference", attention, profile="quick", seed=0).status == "pass"
+    skipped = properties.check_property("head-concat-equivalence", attention, profile="quick", seed=0)
+    assert skipped.status == "skip"
+
+
+def test_check_property_catches_the_bug():
+    properties.check_property("scale-sqrt-dk", buggy, profile="quick", seed=0)
+"""
+
+
+def test_properties_in_a_users_own_tests(attn_files):
+    attn_files.makepyfile(test_user=USER_TESTS)
+    result = attn_files.runpytest_subprocess()
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*AssertionError: ✗ scale-sqrt-dk: *", "*likely cause: *1/d_k*",
+                                 "*attn_spec.reproduce('scale-sqrt-dk', 'attention', case*",
+                                 "FAILED test_user.py::test_check_property_catches_the_bug*"])

@@ -1,0 +1,32 @@
+"""README.md stays true: its set-up commands, its catalog table, its adapter example."""
+import re
+from pathlib import Path
+
+import attn_spec.properties  # noqa: F401 - fills the registry
+from attn_spec.catalog import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _setup_commands():
+    block = README.split("## Set-up", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.strip().splitlines()]
+
+
+def test_two_setup_commands_and_ci_runs_the_test_one():
+    install_and_check, run_tests = _setup_commands()
+    assert "pip install" in install_and_check and "attn-spec check" in install_and_check
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert run_tests in ci.splitlines(), f".ci/run must run README's test command {run_tests!r}"
+
+
+def test_every_property_is_in_the_catalog_table():
+    listed = set(re.findall(r"^\| `([a-z0-9-]+)` \|", README, flags=re.M))
+    assert set(REGISTRY) <= listed, f"missing from README's catalog: {sorted(set(REGISTRY) - listed)}"
+
+
+def test_adapter_example_is_the_shipped_file():
+    shipped = (ROOT / "examples" / "hf_vit_adapter.py").read_text(encoding="utf-8")
+    code = shipped[shipped.index("import torch"):].strip()
+    assert code in README, "README's ModuleAdapter example differs from examples/hf_vit_adapter.py"

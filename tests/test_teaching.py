@@ -1,0 +1,192 @@
+"""The teaching side: ``attn-spec list`` and ``explain``, the sympy derivations, the HTML report
+(``--format html``, ``Report._repr_html_``, rendered by headless Chromium when there is one) and the
+tutorial script, whose printed failures must match what its text announces."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import attn_spec
+import attn_spec.properties  # noqa: F401 - registers the catalog
+from attn_spec import explain, reference
+from attn_spec.catalog import REGISTRY
+from attn_spec.cli import main
+from attn_spec.html import to_html
+from attn_spec.properties import derivations
+from attn_spec.properties.explanations import EXPLANATIONS
+
+REPO = Path(__file__).resolve().parents[1]
+IDS = list(REGISTRY)
+
+
+def test_list_shows_every_property(capsys):
+    assert main(["list"]) == 0
+    text = capsys.readouterr().out
+    assert all(pid in text for pid in IDS)
+    assert main(["list", "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith("| id") and all(f"| {pid} " in md for pid in IDS)
+    for p in REGISTRY.values():
+        assert f"| {p.family} " in md and p.statement in md
+
+
+def test_every_property_has_explain_content():
+    missing = sorted(set(IDS) - set(EXPLANATIONS))
+    assert not missing, f"add these ids to properties/explanations.py: {missing}"
+    assert not set(EXPLANATIONS) - set(IDS), "explanations for ids that are not in the catalog"
+
+
+@pytest.mark.parametrize("pid", IDS)
+def test_explain_every_property(pid, capsys):
+    sections = explain.explanation(pid)
+    for key in ("unicode", "latex", "math", "why", "breaks", "example", "check"):
+        assert sections[key].strip(), f"{pid}: empty section {key!r}"
+    assert re.search(r"\d\.\d", sections["example"]), f"{pid}: the worked example shows no computed numbers"
+    assert main(["explain", pid]) == 0
+    text = capsys.readouterr().out
+    assert all(explain.TITLES[key] in text for key in explain.SECTIONS) and sections["unicode"] in text
+    assert main(["explain", pid, "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert f"$$\n{sections['latex']}\n$$" in md and md.count("```") >= 2
+    has_derivation = pid in derivations.DERIVATIONS
+    assert (explain.TITLES["derivation"] in text) == has_derivation
+    if has_derivation:
+        assert md.count("$$") >= 2 * (1 + len(explain.derivation_steps(pid)))
+
+
+def test_unknown_id_is_a_usage_error(capsys):
+    assert main(["explain", "no-such-property"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-property" in err and all(pid in err for pid in IDS)
+
+
+def test_derivations_justify_catalog_properties():
+    assert set(derivations.DERIVATIONS) <= set(REGISTRY)
+    assert set(derivations.DERIVATIONS) == {"rows-sum-to-one", "key-shift-invariance", "scale-sqrt-dk",
+                                            "gradients", "head-concat-equivalence"}
+
+
+@pytest.mark.parametrize("pid", list(derivations.DERIVATIONS))
+def test_derivation_holds(pid):
+    steps = explain.derivation_steps(pid)
+    assert len(steps) >= 3 and all(text and expr is not None for text, expr in steps)
+
+
+@pytest.mark.parametrize("pid", list(derivations.DERIVATIONS))
+def test_derivation_breaks_when_the_reference_scale_changes(pid, monkeypatch):
+    original = reference.attention
+
+    def scaled_by_d_k(q, k, v, mask=None, **kw):  # the classic 1/d_k bug, in the kit's own reference
+        return original(q, k, v, mask, **{**kw, "scale": 1 / q.shape[-1]})
+
+    monkeypatch.setattr(reference, "attention", scaled_by_d_k)
+    with pytest.raises(derivations.DerivationError):
+        derivations.DERIVATIONS[pid]()
+
+
+@pytest.mark.parametrize("pid", list(derivations.DERIVATIONS))
+def test_derivation_breaks_when_the_symbolic_scale_changes(pid, monkeypatch):
+    monkeypatch.setattr(derivations, "canonical_scale", lambda d_k: 1 / d_k)
+    with pytest.raises(derivations.DerivationError):
+        derivations.DERIVATIONS[pid]()
+
+
+def inverted_mask(Q, K, V, mask=None):
+    scores = Q @ K.transpose(-2, -1) / Q.size(-1) ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))  # bug: True means "may attend"
+    return scores.softmax(dim=-1) @ V
+
+
+class _Checker(HTMLParser):
+    VOID = {"meta", "br", "hr", "img", "link", "input"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.errors, self.tags = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack.pop() != tag:
+            self.errors.append(tag)
+
+
+@pytest.fixture(scope="module")
+def failing_report():
+    return attn_spec.check(inverted_mask, profile="quick", seed=3, devices=["cpu"],
+                           only=["causal-mask", "scale-sqrt-dk"])
+
+
+def test_html_report_is_self_contained_with_heatmaps(failing_report):
+    page = to_html(failing_report)
+    assert page == failing_report._repr_html_()
+    checker = _Checker()
+    checker.feed(page)
+    assert not checker.errors and not checker.stack, "unbalanced HTML"
+    assert "http://" not in page and "https://" not in page and "<script" not in page and "url(" not in page
+    assert {tag for tag, _ in checker.tags} >= {"html", "head", "style", "body", "table"}
+    heat = [attrs for tag, attrs in checker.tags if tag == "table" and attrs.get("class") == "heat"]
+    assert len(heat) >= 2, "got and expected heatmaps for the causal-mask failure"
+    cells = [attrs.get("class", "") for tag, attrs in checker.tags if tag == "td"]
+    assert any("masked" in c for c in cells) and any("diff" in c for c in cells)
+    causal = next(p for p in failing_report.targets[0].properties if p.id == "causal-mask")
+    assert causal.counterexample["mask"] == reference.causal_mask(3, 3).tolist()
+    assert "DOES NOT CONFORM" in page and "causal-mask" in page
+
+
+def test_check_format_html(tmp_path):
+    out = tmp_path / "report.html"
+    rc = main(["check", f"{REPO / 'examples' / 'buggy_attention.py'}:attention", "--only", "scale-sqrt-dk",
+               "--profile", "quick", "--seed", "1", "--device", "cpu", "--format", "html", "--output", str(out)])
+    page = out.read_text(encoding="utf-8")
+    assert rc == 1 and page.startswith("<!DOCTYPE html>") and 'class="heat"' in page and "1/d_k" in page
+
+
+@pytest.mark.skipif(not any(map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))),
+                    reason="no chromium on this machine")
+def test_html_report_renders_in_headless_chromium(failing_report, tmp_path):
+    page = tmp_path / "r.html"
+    page.write_text(to_html(failing_report), encoding="utf-8")
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "render_html.py"), "--out",
+                           str(tmp_path / "r.png"), "--from-html", str(page)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _tutorial_steps(source: str) -> list[tuple[str, set[str]]]:
+    """(title, what the text tells the reader to expect) for each '## Step' markdown cell."""
+    steps = []
+    for cell in source.split("# %%")[1:]:
+        title = re.search(r"^# ## (Step .*)$", cell, re.M)
+        if title:
+            steps.append((title.group(1), set(re.findall(r"\*\*([A-Za-z-]+)\*\*", cell))))
+    return steps
+
+
+def test_tutorial_runs_and_shows_what_it_announces():
+    path = REPO / "examples" / "tutorial.py"
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    verdicts = re.findall(r"^verdict: (.*)$", done.stdout, re.M)
+    chunks = re.split(r"^verdict: .*$", done.stdout, flags=re.M)[:-1]  # one per run of the kit
+    steps = _tutorial_steps(path.read_text(encoding="utf-8"))
+    assert len(steps) == len(verdicts) == len(chunks) == 6
+    for (title, expected), verdict, chunk in zip(steps, verdicts, chunks):
+        assert expected, f"{title}: the text announces nothing"
+        if expected == {"CONFORMS"}:
+            assert verdict == "CONFORMS", f"{title}: announced CONFORMS, got\n{chunk}"
+        else:
+            assert verdict == "DOES NOT CONFORM", title
+            failed = set(re.findall(r"^FAIL ([a-z-]+)", chunk, re.M))
+            assert expected <= failed, f"{title}: the text announces {expected}, the kit reported {failed}"
+    assert verdicts[-1] == "CONFORMS"
