@@ -110,7 +110,7 @@ def _grouped(q, k) -> bool:
     return q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0
 
 
-def _attend_shape(q, k, v):
+def attend_shape(q, k, v):
     """[..., Tq, Dv]: leading dims broadcast; grouped K/V heads count as Q's heads."""
     kv = [t.shape[:-3] + q.shape[-3:-2] if _grouped(q, t) else t.shape[:-2] for t in (k, v)]
     batch = torch.broadcast_shapes(q.shape[:-2], *kv)
@@ -155,7 +155,7 @@ class FunctionTarget(Target):
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
         args = (q, k, v) if mask is None else (q, k, v, mask)
-        return check_output(_call(self.obj, args, call), _attend_shape(q, k, v), call)
+        return check_output(_call(self.obj, args, call), attend_shape(q, k, v), call)
 
 
 class SdpaTarget(Target):
@@ -180,7 +180,7 @@ class SdpaTarget(Target):
             kwargs["enable_gqa"] = True
         self.calls += 1
         call = f"{self.name}(q, k, v{''.join(f', {key}=...' for key in kwargs)})"
-        return check_output(_call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), _attend_shape(q, k, v), call)
+        return check_output(_call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), attend_shape(q, k, v), call)
 
 
 class ModuleTarget(Target):

@@ -23,7 +23,7 @@ from attn_spec.catalog import REGISTRY, Property
 from attn_spec.conventions import parse_requirements, probe_conventions
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.report import PropertyResult, Report, TargetReport, format_matrix, tensor_to_data
-from attn_spec.strategies import KitUsageError, get_profile
+from attn_spec.strategies import KitUsageError, checked, get_profile
 
 
 def select(only=None, skip=None) -> list[Property]:
@@ -182,7 +182,8 @@ def check(*targets, name=None, convention=None, profile="default", seed=None, on
     get_profile(profile)
     parse_requirements(require)  # a usage error before any work
     seed = random.randrange(2**32) if seed is None else seed
-    dtypes, devices = list(dtypes or DTYPES), list(devices or available_devices())
+    dtypes = checked(dtypes or list(DTYPES), DTYPES, "dtypes")
+    devices = checked(devices or available_devices(), available_devices(), "devices")
     reports = []
     for obj in targets:
         target = obj if isinstance(obj, Target) else make_target(obj, name if len(targets) == 1 else None, convention)

@@ -81,7 +81,7 @@ def test_the_run_finishes_and_grades_everyone(graded):
     assert graded["run"].returncode == 0, graded["run"].stderr
     names = {p.stem if p.is_file() else p.name for p in graded["subs"].iterdir() if not p.name.startswith((".", "_"))}
     assert set(graded["by"]) == names
-    assert "graded 28 submission(s)" in graded["run"].stdout
+    assert "graded 29 submission(s)" in graded["run"].stdout
 
 
 @pytest.mark.parametrize("name", CORRECT)
@@ -129,6 +129,7 @@ def test_wrong_attention_loses_the_properties_it_breaks(graded, name, failing, p
     ("exits", "exited", "exit status 3"),
     ("os_exit", "exited", "os._exit"),
     ("segfault", "crashed", "SIGSEGV"),
+    ("breaks_grading", "crashed", "the grading code in its process failed"),
     ("memory_hog", "memory-limit", "out of memory"),
     ("lying_subclass", "bad-output", "torch.Tensor subclass AlwaysRight"),
     ("returns_list", "bad-output", "returned list"),

@@ -182,5 +182,5 @@ def test_properties_in_a_users_own_tests(attn_files):
     result = attn_files.runpytest_subprocess()
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*AssertionError: ✗ scale-sqrt-dk: *", "*likely cause: *1/d_k*",
-                                 "*attn_spec.reproduce('scale-sqrt-dk', 'attention', case*",
+                                 "*attn_spec.reproduce('scale-sqrt-dk', 'attn_bad:attention', case*",
                                  "FAILED test_user.py::test_check_property_catches_the_bug*"])

@@ -91,6 +91,8 @@ class Grader:
             self.props = select()
             self.not_applicable = calibrate(self.props, rubric)  # while the zygote warms up
             self.counter = itertools.count(1)
+            self.live: set = set()  # children being graded now
+            self.aborted = False
             self.zygote.wait_ready()
         except BaseException:
             self.launched.close()
@@ -98,6 +100,12 @@ class Grader:
 
     def close(self) -> None:
         self.launched.close()
+
+    def abort(self) -> None:
+        """Stop at once (Ctrl-C): kill every child being graded; no new one starts."""
+        self.aborted = True
+        for child in list(self.live):
+            child.kill()
 
     def __enter__(self):
         return self
@@ -131,10 +139,14 @@ class Grader:
             config = {"scratch": scratch, "entry": sub.entry, "limits": limits, "forbidden": list(self.rubric.forbidden),
                       "names": {c: self.rubric.conventions[c].name for c in CONVENTIONS},
                       "devices": list(self.rubric.devices), "uid": ids[0] if ids else None, "gid": ids[1] if ids else None}
+            if self.aborted:
+                raise KeyboardInterrupt("grading was interrupted")
             child = self.zygote.spawn(config)
+            self.live.add(child)
             try:
                 self._run(grade, child, sub)
             finally:
+                self.live.discard(child)
                 child.close()
                 grade.output = child.output.text()
         finally:
@@ -320,11 +332,16 @@ def grade_all(subs: list[Submission], rubric: Rubric, *, jobs: int = 1, progress
     try:
         with Grader(rubric, jobs, launched) as grader, ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(grader.grade, sub): sub for sub in subs}
-            for future in as_completed(futures):
-                grade = future.result()
-                grades[grade.name] = grade
-                if progress:
-                    progress(list(grades.values()), len(subs))
+            try:
+                for future in as_completed(futures):
+                    grade = future.result()
+                    grades[grade.name] = grade
+                    if progress:
+                        progress(list(grades.values()), len(subs))
+            except BaseException:  # Ctrl-C: do not wait for the running submissions' time limits
+                grader.abort()
+                pool.shutdown(cancel_futures=True)
+                raise
     finally:
         torch.set_num_threads(threads)
     return [grades[sub.name] for sub in subs]

@@ -17,9 +17,10 @@ import warnings
 
 import torch
 
-from attn_spec.adapters import Target, _attend_shape, check_output
+from attn_spec.adapters import Target, attend_shape, check_output
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.grading import wire, zygote
+from attn_spec.grading.sandbox import BROKEN
 
 SPAWN_SECONDS = 30  # for the zygote to fork a child (it only forks)
 STATUS_SECONDS = 5  # for a dead or killed child's exit status to arrive
@@ -50,6 +51,9 @@ def classify(status: dict | None, killed_by_grader: bool) -> tuple[str, str]:
     if status is None:
         return "crashed", "its process vanished without an exit status"
     sig = status.get("signal")
+    if sig is None and status.get("code") == BROKEN:
+        return "crashed", ("the grading code in its process failed (did the submission replace something "
+                           "in torch or Python that it relies on?)")
     if sig is None:
         return "exited", (f"it ended its own process (sys.exit or os._exit, exit status {status.get('code')}) "
                           "before grading finished")
@@ -299,7 +303,7 @@ class RemoteTarget(Target):
         self.calls += 1
         call = f"{self.name}({'Q, K, V, mask' if mask is not None else 'Q, K, V'})"
         (out,) = self._remote("attend", [q, k, v, mask], 1, call)
-        return check_output(out, _attend_shape(q, k, v), call)
+        return check_output(out, attend_shape(q, k, v), call)
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):
         if self.convention != "module":
@@ -316,7 +320,7 @@ class RemoteTarget(Target):
         self.calls += 1
         call = f"the gradient of {self.name}(Q, K, V{', mask' if mask is not None else ''})"
         out, *grads = self._remote("vjp", [q, k, v, mask, grad_out], 4, call)
-        check_output(out, _attend_shape(q, k, v), call)
+        check_output(out, attend_shape(q, k, v), call)
         for grad, t, name in zip(grads, (q, k, v), "QKV"):
             if grad.shape != t.shape:
                 raise Failure(f"{call}: the gradient for {name} has shape {list(grad.shape)}, expected {list(t.shape)}",

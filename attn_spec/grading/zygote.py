@@ -87,7 +87,8 @@ def launch() -> Launch:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     code = f"from attn_spec.grading.zygote import main; main({theirs.fileno()})"
     proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], cwd=base, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True)  # Ctrl-C reaches the grader, which tears everything down
     theirs.close()
     return Launch(base, proc, mine)
 
@@ -170,7 +171,10 @@ def main(fd: int) -> None:
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     wire.send_message(sock, {"ready": True, "threads": threads})
     while True:
-        message, fds = wire.recv_message(sock, maxfds=3)
+        try:
+            message, fds = wire.recv_message(sock, maxfds=3)
+        except OSError:  # the grader is gone
+            return
         if message is None:
             return
         pid = os.fork()
