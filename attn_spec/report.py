@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -93,17 +94,28 @@ def tensor_to_data(t, limit: int = 256):
     return t.detach().to("cpu", torch.float64).tolist()
 
 
-def format_matrix(t) -> str:
-    """The top-left corner of the first matrix in ``t``, as an aligned plain table."""
+RED, RESET = "\033[1;31m", "\033[0m"
+_ANSI = re.compile(r"\033\[[0-9;]*m")
+
+
+def format_matrix(t, highlight=None) -> str:
+    """The top-left corner of the first matrix in ``t``, as an aligned plain table.
+
+    ``highlight``: a bool tensor shaped like ``t``; those cells are printed in bold red.
+    """
     t = t.detach().to("cpu", torch.float64)
     prefix = ""
     while t.dim() > 2:
         prefix += "[0]"
-        t = t[0]
+        t, highlight = t[0], (None if highlight is None else highlight[0])
     if t.dim() < 2:
         t = t.reshape(1, -1)
+        highlight = None if highlight is None else highlight.reshape(1, -1)
     shown = t[:MAX_SHOWN, :MAX_SHOWN].tolist()
-    rows = [[f"{x:.4g}" for x in row] + (["…"] if t.shape[1] > MAX_SHOWN else []) for row in shown]
+    marked = (highlight[:MAX_SHOWN, :MAX_SHOWN].tolist() if highlight is not None
+              else [[False] * len(row) for row in shown])
+    rows = [[f"{RED}{x:.4g}{RESET}" if m else f"{x:.4g}" for x, m in zip(row, mrow)]
+            + (["…"] if t.shape[1] > MAX_SHOWN else []) for row, mrow in zip(shown, marked)]
     if t.shape[0] > MAX_SHOWN:
         rows.append(["⋮"] * len(rows[0]))
     table = tabulate(rows, tablefmt="plain", disable_numparse=True, stralign="right")
@@ -112,11 +124,29 @@ def format_matrix(t) -> str:
 
 def side_by_side(left: str, right: str, titles=("got", "expected"), gap: int = 4) -> str:
     a, b = left.splitlines(), right.splitlines()
-    width = max([len(x) for x in a] + [len(titles[0])])
-    lines = [titles[0].ljust(width + gap) + titles[1]]
+
+    def width_of(x):
+        return len(_ANSI.sub("", x))
+
+    width = max([width_of(x) for x in a] + [len(titles[0])]) + gap
+    lines = [titles[0].ljust(width) + titles[1]]
     for i in range(max(len(a), len(b))):
-        lines.append((a[i] if i < len(a) else "").ljust(width + gap) + (b[i] if i < len(b) else ""))
+        x = a[i] if i < len(a) else ""
+        lines.append(x + " " * (width - width_of(x)) + (b[i] if i < len(b) else ""))
     return "\n".join(lines)
+
+
+def _matrices(ce: dict, colour: bool) -> str:
+    """got beside expected; with ``colour``, the cells that differ in bold red."""
+    got, expected = ce.get("got"), ce.get("expected")
+    if colour and got is not None and expected is not None:
+        got, expected = torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+        if got.shape == expected.shape:
+            differ = ~torch.isclose(got, expected, rtol=1e-3, atol=1e-6, equal_nan=True)
+            return side_by_side(format_matrix(got, differ), format_matrix(expected, differ))
+    if ce.get("expected_text"):
+        return side_by_side(ce["got_text"], ce["expected_text"])
+    return ce["got_text"]
 
 
 def _summary_rows(target: TargetReport):
@@ -126,7 +156,7 @@ def _summary_rows(target: TargetReport):
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
 
 
-def failure_section(p: PropertyResult, markdown: bool) -> str:
+def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> str:
     """One failure as a lesson: statement, what happened, likely cause, counterexample, reproduction."""
     lines = []
     head = f"{p.id}: {p.statement}" if p.statement else p.id
@@ -140,7 +170,7 @@ def failure_section(p: PropertyResult, markdown: bool) -> str:
     if ce:
         lines.append(f"{bullet}counterexample ({ce['summary']}):")
         if ce.get("got_text"):
-            block = side_by_side(ce["got_text"], ce["expected_text"]) if ce.get("expected_text") else ce["got_text"]
+            block = _matrices(ce, colour and not markdown)
             lines.append("```\n" + block + "\n```" if markdown else "\n".join(pad * 2 + x for x in block.splitlines()))
         lines.append(f"{bullet}reproduce:")
         snippet = ce["reproduce"]
@@ -148,7 +178,8 @@ def failure_section(p: PropertyResult, markdown: bool) -> str:
     return "\n".join(lines)
 
 
-def render(report: Report, *, markdown: bool) -> str:
+def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
+    """The report as text (``colour``: ANSI highlighting of differing cells) or markdown."""
     out = []
     header = (f"attn-spec {report.kit_version} · profile {report.profile} · seed {report.seed} · "
               f"torch {report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
@@ -171,6 +202,6 @@ def render(report: Report, *, markdown: bool) -> str:
                 out.append(f"\n{'- ' if markdown else ''}{p.id} is blocked by {p.blocked_by}: fix that first "
                            f"({p.message})")
             else:
-                out.append("\n" + failure_section(p, markdown))
+                out.append("\n" + failure_section(p, markdown, colour))
     out += [f"\n{'- ' if markdown else ''}warning: {w}" for w in report.warnings]
     return "\n".join(out) + "\n"

@@ -94,3 +94,17 @@ def test_reports_command_still_runs(tmp_path):
     index = (tmp_path / "README.md").read_text()
     assert "reference" in index and "does not conform" in index  # the buggy example
     assert (tmp_path / "torch-sdpa.md").read_text().startswith("# Conformance report")
+
+
+def test_terminal_colour_marks_only_the_differing_cells():
+    import attn_spec
+    from attn_spec.loading import load_target
+    from attn_spec.report import RED, render
+
+    report = attn_spec.check(load_target(BUGGY), profile="quick", seed=5, only=["scale-sqrt-dk"])
+    coloured, plain = render(report, markdown=False, colour=True), render(report, markdown=False)
+    assert RED in coloured and RED not in plain and RED not in report.to_markdown()
+    # the probe's two weights both differ from sigmoid(1): both cells of "got" are marked
+    got_line = next(line for line in coloured.splitlines() if "0.4378" in line)
+    assert got_line.count(RED) == 4  # two cells of got, two of expected
+    assert plain.replace(" ", "") == coloured.replace(RED, "").replace("\033[0m", "").replace(" ", "")

@@ -7,6 +7,7 @@ import time
 
 from attn_spec.ci import Expectations, github_annotations, to_junit
 from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from attn_spec.report import render as render_report
 
 CHECK_EPILOG = """\
 Examples:
@@ -110,7 +111,8 @@ def run(args) -> int:
         progress.done()
     if expectations:
         expectations.apply(report)
-    render = {"text": str, "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n",
+    colour = not args.output and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    render = {"text": lambda r: render_report(r, markdown=False, colour=colour), "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n",
               "junit": to_junit, "html": lambda r: r._repr_html_()}[args.format]
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
