@@ -27,6 +27,8 @@ def skips_masked_keys(Q, K, V, mask=None):
     """Each query attends only the keys its mask row allows: masked K/V are never read."""
     if mask is None:
         return seed_function(Q, K, V)
+    if mask.dtype != torch.bool:  # the function convention's masks are bool: say so instead of misreading
+        raise NotImplementedError("only bool masks (True = may attend)")
     batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2], mask.shape[:-2])
     Q, K, V = (t.expand(*batch, *t.shape[-2:]) for t in (Q, K, V))
     if mask.dim() > 2:
