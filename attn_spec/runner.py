@@ -134,8 +134,10 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     return result
 
 
-def _mark_blocked(results: list[PropertyResult]) -> None:
-    """A failure explained by an earlier property's failure is reported as blocked by it."""
+def mark_blocked(results) -> None:
+    """A failure explained by an earlier property's failure is reported as blocked by it.
+
+    ``results``: anything with ``id``, ``status`` and ``blocked_by`` (also the grader's rows)."""
     failed = {r.id for r in results if r.status == "fail"}
     for r in results:
         if r.status == "fail":
@@ -166,7 +168,7 @@ def check_target(target: Target, *, profile="default", seed=0, only=None, skip=N
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
         report.properties.append(run_property(prop, target, profile=profile, seed=seed,
                                               dtypes=dtypes, devices=devices))
-    _mark_blocked(report.properties)
+    mark_blocked(report.properties)
     report.properties.extend(_required_conventions(report.conventions, parse_requirements(require)))
     report.calls = target.calls
     return report

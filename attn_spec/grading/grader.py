@@ -19,13 +19,12 @@ import torch
 
 from attn_spec import reference
 from attn_spec.adapters import PROJECTIONS, FunctionTarget, ModuleTarget
-from attn_spec.catalog import REGISTRY
 from attn_spec.grading import zygote
 from attn_spec.grading.remote import RemoteTarget, Stopped, Zygote
 from attn_spec.grading.rubric import CONVENTIONS, Rubric
 from attn_spec.grading.submissions import Submission, prepare, remove, sandbox_ids
 from attn_spec.module_adapters import SeedAdapter
-from attn_spec.runner import run_property, select
+from attn_spec.runner import mark_blocked, run_property, select
 from attn_spec.tolerance import naive_multihead, seed_attention
 
 OUTCOMES = ("graded", "syntax-error", "import-error", "missing-attention", "timeout", "memory-limit", "crashed",
@@ -236,7 +235,7 @@ class Grader:
                     rows.append(self._row(prop, conv, "not-run", f"not run: {child.stopped.detail}"))
                 else:
                     rows.append(self._grade_property(prop, target, conv))
-            _mark_blocked(rows)
+            mark_blocked(rows)
             grade.properties += rows
         grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden)]
         if child.stopped:
@@ -296,15 +295,6 @@ def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
     trace = str(loaded.get("traceback", ""))[-3000:]
     return outcome, (f"importing it raised {str(loaded.get('type', 'an exception'))[:80]}: {message}"
                      + (f"\n{trace}" if trace else ""))
-
-
-def _mark_blocked(rows: list[PropertyGrade]) -> None:
-    """A failure explained by an earlier failure of the same convention is reported as blocked by it."""
-    failed = {r.id for r in rows if r.status == "fail"}
-    for r in rows:
-        if r.status == "fail":
-            blockers = [b for b in REGISTRY[r.id].after if b in failed]
-            r.blocked_by = blockers[0] if blockers else None
 
 
 def _score(grade: Grade, rubric: Rubric) -> None:
