@@ -136,7 +136,7 @@ def side_by_side(left: str, right: str, titles=("got", "expected"), gap: int = 4
     return "\n".join(lines)
 
 
-def _matrices(ce: dict, colour: bool) -> str:
+def counterexample_matrices(ce: dict, colour: bool) -> str:
     """got beside expected; with ``colour``, the cells that differ in bold red."""
     got, expected = ce.get("got"), ce.get("expected")
     if colour and got is not None and expected is not None:
@@ -170,7 +170,7 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> 
     if ce:
         lines.append(f"{bullet}counterexample ({ce['summary']}):")
         if ce.get("got_text"):
-            block = _matrices(ce, colour and not markdown)
+            block = counterexample_matrices(ce, colour and not markdown)
             lines.append("```\n" + block + "\n```" if markdown else "\n".join(pad * 2 + x for x in block.splitlines()))
         lines.append(f"{bullet}reproduce:")
         snippet = ce["reproduce"]

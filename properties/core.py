@@ -110,7 +110,7 @@ def permutation_equivariance(target, case):
     gen = torch.Generator().manual_seed(case.seed)
     p, s = torch.randperm(case.n_q, generator=gen), torch.randperm(case.n_kv, generator=gen)
     if isinstance(case, MhaCase):
-        case = _cross_or_self(target, case)
+        case = cross_or_self(target, case)
         x_q, x_kv, weights, mask = case.tensors()
         ref = reference.multihead(x_q, x_kv, *weights.values(), case.n_heads, mask)[0]
         allowed = 2 * multihead_budget(x_q, x_kv, weights, case.n_heads, mask, ref)
@@ -212,7 +212,7 @@ def head_concat_equivalence(target, case):
     merged with view and no transpose, the scale of the whole width, W_O missing or applied
     per head, heads summed instead of concatenated.
     """
-    case = _cross_or_self(target, case)
+    case = cross_or_self(target, case)
     x_q, x_kv, weights, mask = case.tensors()
     got = target.multihead(x_q, x_kv, weights, case.n_heads, mask)  # [Tq, D]
     expected, _ = reference.multihead(x_q, x_kv, *(weights[n] for n in ("W_Q", "W_K", "W_V", "W_O")),
@@ -225,7 +225,7 @@ def head_concat_equivalence(target, case):
                       got=got, expected=expected)
 
 
-def _cross_or_self(target, case: MhaCase) -> MhaCase:
+def cross_or_self(target, case: MhaCase) -> MhaCase:
     """The case itself, or its self-attention form for a module that takes a single input."""
     if case.self_attention:
         return case

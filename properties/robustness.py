@@ -14,7 +14,7 @@ from attn_spec.adapters import FUNCTION_CONVENTIONS
 from attn_spec.cases import Case, MhaCase
 from attn_spec.catalog import prop
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.properties.core import _cross_or_self
+from attn_spec.properties.core import cross_or_self
 from attn_spec.tolerance import budget, max_error, multihead_budget
 
 
@@ -48,7 +48,7 @@ def determinism(target, case):
     tie-breaking noise, state carried between calls (a KV cache left on, a reused buffer).
     """
     if isinstance(case, MhaCase):
-        case = _cross_or_self(target, case)
+        case = cross_or_self(target, case)
     first = _output(target, case)
     _output(target, case.replace(seed=case.seed + 1))  # other inputs in between: no state may carry over
     second = _output(target, case)
@@ -75,7 +75,7 @@ def inputs_unchanged(target, case):
     to flip the polarity, K.transpose_() for K^T.
     """
     if isinstance(case, MhaCase):
-        case = _cross_or_self(target, case)
+        case = cross_or_self(target, case)
         x_q, x_kv, weights, mask = case.tensors()
         target.multihead(x_q, x_kv, weights, case.n_heads, mask)
         fresh = case.tensors()  # rebuilt from the seed: the inputs as they were before the call
@@ -123,7 +123,7 @@ def dtype_device(target, case):
     dtype float32, on the CPU).
     """
     if isinstance(case, MhaCase):
-        case = _cross_or_self(target, case)
+        case = cross_or_self(target, case)
     out = _output(target, case)
     want_dtype, want_device = case.torch_dtype, torch.device(case.device)
     if out.device.type != want_device.type:
@@ -183,7 +183,7 @@ def non_contiguous(target, case):
     pointer (they read the transposed values, or the NaN around a slice).
     """
     if isinstance(case, MhaCase):
-        case = _cross_or_self(target, case)
+        case = cross_or_self(target, case)
         weights = case.tensors()[2]
 
         def inputs():  # fresh tensors on every call: the target may write into the ones it gets

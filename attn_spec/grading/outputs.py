@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 
 from attn_spec import __version__
-from attn_spec.report import side_by_side
+from attn_spec.report import counterexample_matrices
 
 OUTCOME_TEXT = {
     "graded": "Every property ran on your code.",
@@ -65,8 +65,7 @@ def _failure(row, rubric) -> list[str]:
     if ce:
         lines.append(f"- Counterexample: {ce.get('summary', '')}")
         if ce.get("got_text"):
-            table = side_by_side(ce["got_text"], ce["expected_text"]) if ce.get("expected_text") else ce["got_text"]
-            lines.append(_fence(table))
+            lines.append(_fence(counterexample_matrices(ce, colour=False)))
         if ce.get("traceback"):
             lines += ["- Your code raised:", _fence(ce["traceback"])]
         if ce.get("reproduce"):
