@@ -112,10 +112,14 @@ def probe_conventions(target, dtype: str = "float32", device: str = "cpu") -> di
 
 
 def parse_requirements(items) -> dict[str, str]:
-    """``["fully-masked=zeros", ...]`` -> ``{"fully-masked": "zeros"}``; anything unknown is a usage error."""
+    """``["fully-masked=zeros", ...]`` -> ``{"fully-masked": "zeros"}``; anything unknown is a usage error.
+
+    Items without ``=`` name capabilities (attn_spec.capabilities) and are left to that module."""
     valid = "; ".join(f"{key}={'|'.join(values)}" for key, values in VALUES.items())
     required = {}
     for item in items or ():
+        if "=" not in item:
+            continue
         key, _, value = item.partition("=")
         if key not in VALUES or value not in VALUES[key]:
             problem = f"unknown convention {key!r}" if key not in VALUES else f"unknown value {value!r} for {key}"

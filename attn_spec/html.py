@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from html import escape
 
+from attn_spec.report import header_lines
+
 MAX_CELLS = 16  # rows and columns drawn per heatmap
 
 CSS = """
@@ -115,9 +117,7 @@ def _target(t) -> str:
     verdict = ('<span class="ok">CONFORMS</span>' if t.conforms else
                f'<span class="bad">DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)</span>')
     out = [f"<h2>{escape(t.target)} ({escape(t.convention)} convention): {verdict}</h2>"]
-    if t.conventions:
-        out.append('<p class="meta">conventions: ' + escape(", ".join(f"{k}={v}" for k, v in t.conventions.items()))
-                   + "</p>")
+    out += [f'<p class="meta">{escape(line)}</p>' for line in header_lines(t)]
     rows = []
     for p in t.properties:
         verdict = p.status + (f" (blocked by {p.blocked_by})" if p.blocked_by else "") + (" (expected)" if p.expected else "")

@@ -37,6 +37,8 @@ class TargetReport:
     properties: list[PropertyResult] = field(default_factory=list)
     calls: int = 0
     conventions: dict = field(default_factory=dict)  # probed behaviours (attn_spec.conventions), key -> value
+    capabilities: dict = field(default_factory=dict)  # attn_spec.capabilities: name -> yes | no | raises | n/a ...
+    lacks: dict = field(default_factory=dict)  # name -> why, for each capability that is not "yes"
 
     @property
     def conforms(self) -> bool:
@@ -45,6 +47,7 @@ class TargetReport:
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
                 "calls": self.calls, "conventions": dict(self.conventions),
+                "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
                 "properties": [p.to_dict() for p in self.properties]}
 
 
@@ -149,6 +152,19 @@ def counterexample_matrices(ce: dict, colour: bool) -> str:
     return ce["got_text"]
 
 
+def header_lines(t: TargetReport) -> list[str]:
+    """The probed conventions, and the capabilities the target has and lacks (with why)."""
+    lines = []
+    if t.conventions:
+        lines.append("conventions: " + ", ".join(f"{key}={value}" for key, value in t.conventions.items()))
+    if t.capabilities:
+        has = [name for name, value in t.capabilities.items() if value == "yes"]
+        lacks = [f"{name} ({value}: {t.lacks[name]})" for name, value in t.capabilities.items()
+                 if value in ("no", "raises")]
+        lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
+    return lines
+
+
 def _summary_rows(target: TargetReport):
     for p in target.properties:
         verdict = p.status if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
@@ -189,8 +205,7 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
         verdict = "CONFORMS" if t.conforms else f"DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)"
         title = f"{t.target} ({t.convention} convention): {verdict}"
         out.append(f"\n## {title}\n" if markdown else f"\n{title}")
-        if t.conventions:
-            line = "conventions: " + ", ".join(f"{key}={value}" for key, value in t.conventions.items())
+        for line in header_lines(t):
             out.append(f"{line}\n" if markdown else line)
         out.append(tabulate(list(_summary_rows(t)), headers=["property", "verdict", "examples", "time"],
                             tablefmt="github" if markdown else "simple"))

@@ -20,6 +20,7 @@ from attn_spec import __version__
 from attn_spec.adapters import Target, make_target
 from attn_spec.cases import DTYPES, available_devices
 from attn_spec.catalog import REGISTRY, Property
+from attn_spec.capabilities import parse_capabilities, probe_capabilities
 from attn_spec.conventions import parse_requirements, probe_conventions
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.report import PropertyResult, Report, TargetReport, format_matrix, tensor_to_data
@@ -145,14 +146,21 @@ def mark_blocked(results) -> None:
             r.blocked_by = blockers[0] if blockers else None
 
 
-def _required_conventions(found: dict, required: dict) -> list[PropertyResult]:
-    """One result per required convention: a pass, or a failure saying what was required and found."""
+def _requirements(report: TargetReport, require) -> list[PropertyResult]:
+    """One result per ``--require`` item: a pass, or a failure saying what was required and found."""
     results = []
-    for key, value in required.items():
+    for key, value in parse_requirements(require).items():
         result = PropertyResult(f"convention:{key}", "pass", statement=f"required: {key}={value}")
-        if found.get(key) != value:
+        if report.conventions.get(key) != value:
             result.status = "fail"
-            result.message = f"required {key}={value}, found {key}={found.get(key, 'not probed')}"
+            result.message = f"required {key}={value}, found {key}={report.conventions.get(key, 'not probed')}"
+        results.append(result)
+    for name in parse_capabilities(require):
+        result = PropertyResult(f"capability:{name}", "pass", statement=f"required capability: {name}")
+        if report.capabilities[name] != "yes":
+            result.status = "fail"
+            result.message = (f"required capability {name}, found {report.capabilities[name]}: "
+                              f"{report.lacks[name]}")
         results.append(result)
     return results
 
@@ -163,13 +171,14 @@ def check_target(target: Target, *, profile="default", seed=0, only=None, skip=N
     report = TargetReport(target.name, target.convention)
     dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
     report.conventions = probe_conventions(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
+    report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])
     for i, prop in enumerate(props):
         if progress:
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
         report.properties.append(run_property(prop, target, profile=profile, seed=seed,
                                               dtypes=dtypes, devices=devices))
     mark_blocked(report.properties)
-    report.properties.extend(_required_conventions(report.conventions, parse_requirements(require)))
+    report.properties.extend(_requirements(report, require))
     report.calls = target.calls
     return report
 
@@ -182,7 +191,7 @@ def check(*targets, name=None, convention=None, profile="default", seed=None, on
     >>> report.conforms, print(report)
     """
     get_profile(profile)
-    parse_requirements(require)  # a usage error before any work
+    parse_requirements(require), parse_capabilities(require)  # a usage error before any work
     seed = random.randrange(2**32) if seed is None else seed
     dtypes = checked(dtypes or list(DTYPES), DTYPES, "dtypes")
     devices = checked(devices or available_devices(), available_devices(), "devices")

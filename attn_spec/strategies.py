@@ -75,7 +75,7 @@ def checked(values, allowed, what):
 
 
 def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
-          masks=("none", "random", "causal"), cross: bool | None = None, batch: bool = True,
+          masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
           min_n_kv: int = 1) -> st.SearchStrategy[Case]:
     """Attention cases for one profile.
 
@@ -84,7 +84,7 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     - ``masks``: mask kinds drawn from: "none", "random", "causal".
     - ``cross``: True forces n_q != n_kv and d_v != d_k, False forces self-attention shapes,
       None draws both.
-    - ``batch``: whether leading batch/head dims may be drawn.
+    - ``batch``: True forces leading batch/head dims, False forbids them, None draws both.
     - ``min_n_kv``: the fewest keys (probes that compare two keys need 2).
 
     Examples shrink towards one query, one key, width 1, float64, integer entries.
@@ -95,7 +95,8 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     masks = checked(masks, MASK_KINDS, "masks")
     small = sizes(prof.small)
     length, dim = sizes(prof.small, prof.lengths), sizes(prof.small, prof.dims)
-    batch_dims = st.lists(st.integers(1, 3), max_size=prof.max_batch_dims if batch else 0).map(tuple)
+    batch_dims = st.lists(st.integers(1, 3), min_size=1 if batch else 0,
+                          max_size=0 if batch is False else prof.max_batch_dims).map(tuple)
 
     @st.composite
     def draw(draw_):

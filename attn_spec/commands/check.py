@@ -18,6 +18,7 @@ Examples:
   attn-spec check my.py:attention --format junit --output conformance.xml --expect known-failures.txt
   attn-spec check torch.nn.functional:scaled_dot_product_attention --dtypes float32 --device cpu
   attn-spec check my.py:attention --require fully-masked=zeros mask-polarity=true-attends
+  attn-spec check my.py:attention --require mask autograd bfloat16
 
 Exit status: 0 every target conforms, 1 a property fails, 2 usage error or a target
 that cannot be loaded.
@@ -32,6 +33,8 @@ def add_parser(commands) -> None:
     import argparse
 
     from attn_spec.adapters import CONVENTIONS
+    from attn_spec.capabilities import CAPABILITIES
+    from attn_spec.conventions import VALUES
     from attn_spec.strategies import PROFILES
 
     check = commands.add_parser("check", help="check attention functions or modules against the catalog",
@@ -42,9 +45,9 @@ def add_parser(commands) -> None:
     check.add_argument("--seed", type=int, help="seed for a reproducible run (default: random, printed in the report)")
     check.add_argument("--only", nargs="+", type=_ids, default=[], metavar="ID", help="run only these property ids")
     check.add_argument("--skip", nargs="+", type=_ids, default=[], metavar="ID", help="skip these property ids")
-    check.add_argument("--require", nargs="+", type=_ids, default=[], metavar="KEY=VALUE",
-                       help="fail unless the target has this convention, e.g. fully-masked=zeros "
-                            "(keys: fully-masked, mask-polarity, masked-nan, causal-alignment, weights-returned)")
+    check.add_argument("--require", nargs="+", type=_ids, default=[], metavar="CAPABILITY|KEY=VALUE",
+                       help=f"fail unless the target has this capability ({', '.join(CAPABILITIES)}) or "
+                            f"convention, e.g. fully-masked=zeros (keys: {', '.join(VALUES)})")
     check.add_argument("--dtypes", nargs="+", type=_ids, default=[], metavar="DTYPE",
                        help="check only these dtypes (float64 float32 float16 bfloat16; default all)")
     check.add_argument("--device", choices=("cpu", "cuda", "mps", "all"), default="all",
