@@ -97,7 +97,9 @@ class Target:
             if not out.requires_grad:
                 raise Unsupported("no autograd: the output is not differentiable in Q, K, V "
                                   "(computed under no_grad, detached, or outside torch)", total=True)
-            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+            # The gradient of the scalar <out, grad_out>: the same numbers as grad_outputs=grad_out
+            # (its backward multiplies by ones), without autograd's first-call import of sympy.
+            grads = torch.autograd.grad((out * grad_out).sum(), leaves, allow_unused=True)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
         return (out.detach(), *grads)
 
@@ -110,10 +112,22 @@ def _grouped(q, k) -> bool:
     return q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0
 
 
+def broadcast_shapes(*shapes) -> tuple:
+    """torch.broadcast_shapes without its first-call cost (it imports sympy: 0.8 s, a third of a quick check)."""
+    rank = max(map(len, shapes))
+    out = []
+    for dims in zip(*[(1,) * (rank - len(s)) + tuple(s) for s in shapes]):
+        sizes = set(dims) - {1}
+        if len(sizes) > 1:
+            raise RuntimeError(f"shapes {[list(s) for s in shapes]} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
 def attend_shape(q, k, v):
     """[..., Tq, Dv]: leading dims broadcast; grouped K/V heads count as Q's heads."""
     kv = [t.shape[:-3] + q.shape[-3:-2] if _grouped(q, t) else t.shape[:-2] for t in (k, v)]
-    batch = torch.broadcast_shapes(q.shape[:-2], *kv)
+    batch = broadcast_shapes(q.shape[:-2], *kv)
     return tuple(batch) + (q.shape[-2], v.shape[-1])
 
 
@@ -232,7 +246,7 @@ class ModuleTarget(Target):
         1/sqrt(D) times the gain 2^m is exactly 1/sqrt(d_k).
         """
         self._no_extra_arguments(scale, is_causal)
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         n_q, d_k, n_kv, d_v = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
         self_only = self.adapter.self_attention_only
         if self_only and n_q != n_kv:

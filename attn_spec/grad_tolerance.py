@@ -75,7 +75,7 @@ def naive_grads(impl, q, k, v, mask, grad_out):
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
         out = impl(*leaves, mask)
-        return torch.autograd.grad(out, leaves, grad_out)
+        return torch.autograd.grad((out * grad_out).sum(), leaves)  # <out, grad_out>: see Target.vjp
 
 
 def grad_budgets(q, k, v, mask, grad_out, ref_grads) -> tuple[float, float, float]:

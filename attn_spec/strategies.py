@@ -98,13 +98,22 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     batch_dims = st.lists(st.integers(1, 3), min_size=1 if batch else 0,
                           max_size=0 if batch is False else prof.max_batch_dims).map(tuple)
 
+    # Strategies are built once, here: building one inside the draw costs a validation per example.
+    large_sizes = st.sampled_from((False, False, False, True))
+    kv_lengths = {big: s.filter(lambda n: n >= min_n_kv) if min_n_kv > 1 else s
+                  for big, s in ((False, small), (True, length))}
+    rest = st.fixed_dictionaries({
+        "batch": batch_dims, "dtype": st.sampled_from(dtypes), "device": st.sampled_from(devices),
+        "values": st.sampled_from(["integers", "normal"]), "magnitude": st.sampled_from(prof.magnitudes),
+        "mask": st.sampled_from(list(masks)), "seed": st.integers(0, 2**16)})
+
     @st.composite
     def draw(draw_):
         # One case in four may use the large sizes: they find other bugs (blocking, overflow)
         # but cost far more per example. Shrinks towards small.
-        large = draw_(st.sampled_from((False, False, False, True)))
+        large = draw_(large_sizes)
         lengths, dims = (length, dim) if large else (small, small)
-        n_q, n_kv = draw_(lengths), draw_(lengths.filter(lambda n: n >= min_n_kv))
+        n_q, n_kv = draw_(lengths), draw_(kv_lengths[large])
         d_k, d_v = draw_(dims), draw_(dims)
         if cross is True:
             n_kv = n_kv if n_kv != n_q else n_q + 1
@@ -112,11 +121,7 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
         elif cross is False:
             n_kv, d_v = n_q, d_k
         n_kv = max(n_kv, min_n_kv)
-        return Case(batch=draw_(batch_dims), n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v,
-                    dtype=draw_(st.sampled_from(dtypes)), device=draw_(st.sampled_from(devices)),
-                    values=draw_(st.sampled_from(["integers", "normal"])),
-                    magnitude=draw_(st.sampled_from(prof.magnitudes)),
-                    mask=draw_(st.sampled_from(list(masks))), seed=draw_(st.integers(0, 2**16)))
+        return Case(n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v, **draw_(rest))
 
     return draw()
 

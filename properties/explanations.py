@@ -139,7 +139,8 @@ EXPLANATIONS: dict[str, dict[str, str]] = {
         "latex": r"\frac{\partial a}{\partial s} = \mathrm{diag}(a) - a a^\top,\quad dV = A^\top G,\quad "
                  r"dS = A \odot (G V^\top - \mathrm{rowsum}(A \odot G V^\top)),\quad dQ = \frac{dS\,K}{\sqrt{d_k}}",
         "check": "Asks the target for a vector-Jacobian product (target.vjp) with a random G and compares dQ, dK, "
-                 "dV with the closed form; gradcheck in float64; no gradient may reach future keys under a causal mask.",
+                 "dV with the closed form; in float64 also with finite differences of its own forward along random "
+                 "directions; no gradient may reach future keys under a causal mask.",
         "example": "gradients",
     },
     "scale-argument": {

@@ -10,7 +10,7 @@ import math
 import torch
 
 from attn_spec import probes, reference
-from attn_spec.adapters import FUNCTION_CONVENTIONS
+from attn_spec.adapters import FUNCTION_CONVENTIONS, broadcast_shapes
 from attn_spec.cases import Case
 from attn_spec.catalog import prop
 from attn_spec.errors import Failure, TargetRaised, Unsupported
@@ -35,7 +35,7 @@ def _push_keys(q, k, masked, limit):
 def _one_query_per_element(q, k, v, mask, rows):
     """Query ``rows`` each in a batch element of its own with its own copy of K, V and its mask row,
     so that the keys masked for that one query can be changed freely."""
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], mask.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], mask.shape[:-2])
     r = len(rows)
     qs = q.expand(*batch, *q.shape[-2:])[..., rows, :].unsqueeze(-2)  # [..., R, 1, Dk]
     ks = k.expand(*batch, *k.shape[-2:]).unsqueeze(-3).expand(*batch, r, *k.shape[-2:]).clone()  # [..., R, Tk, Dk]

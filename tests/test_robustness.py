@@ -1,5 +1,5 @@
 """What the gallery cannot show about the robustness and gradient properties: skips with their
-reasons, gradcheck's own catch, and the closed-form reference gradients."""
+reasons, the finite-difference check's own catch, and the closed-form reference gradients."""
 import math
 
 import torch
@@ -26,8 +26,8 @@ def test_gradients_of_a_non_differentiable_target_is_a_skip_with_the_reason():
     assert "not differentiable" in result.message
 
 
-def test_gradcheck_catches_a_backward_that_is_not_the_forward_derivative():
-    """The backward returns the exact attention gradients, so only gradcheck can see that the
+def test_finite_differences_catch_a_backward_that_is_not_the_forward_derivative():
+    """The backward returns the exact attention gradients, so only finite differences can see that the
     forward has an extra term the backward ignores."""
 
     class Inconsistent(torch.autograd.Function):
@@ -48,7 +48,7 @@ def test_gradcheck_catches_a_backward_that_is_not_the_forward_derivative():
 
     result = _only(attention, "gradients", dtypes=["float64"])
     assert result.status == "fail"
-    assert result.message.startswith("gradcheck:")
+    assert result.message.startswith("finite differences:")
     assert "finite differences" in result.cause
 
 
