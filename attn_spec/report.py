@@ -23,11 +23,13 @@ class PropertyResult:
     seconds: float = 0.0
     blocked_by: str | None = None
     expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
+    found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
 
     def to_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
                 "blocked_by": self.blocked_by, "expected": self.expected, "counterexample": self.counterexample,
-                "examples": self.examples, "seconds": round(self.seconds, 4)}
+                "examples": self.examples, "seconds": round(self.seconds, 4),
+                "found_after_calls": self.found_after_calls}
 
 
 @dataclass
@@ -152,6 +154,11 @@ def counterexample_matrices(ce: dict, colour: bool) -> str:
     return ce["got_text"]
 
 
+def _short(text: str, limit: int = 100) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
 def header_lines(t: TargetReport) -> list[str]:
     """The probed conventions, and the capabilities the target has and lacks (with why)."""
     lines = []
@@ -159,7 +166,7 @@ def header_lines(t: TargetReport) -> list[str]:
         lines.append("conventions: " + ", ".join(f"{key}={value}" for key, value in t.conventions.items()))
     if t.capabilities:
         has = [name for name, value in t.capabilities.items() if value == "yes"]
-        lacks = [f"{name} ({value}: {t.lacks[name]})" for name, value in t.capabilities.items()
+        lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
                  if value in ("no", "raises")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
     return lines

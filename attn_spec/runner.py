@@ -100,6 +100,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
             return
         except BaseException as exc:
             exc.attn_case = case
+            if result.found_after_calls is None:  # the first failing input, before any shrinking
+                result.found_after_calls = target.calls
             raise
         supported[0] += 1
 
@@ -165,26 +167,37 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
     return results
 
 
+# Run first: one call per example, and its explicit examples (plain, masked, batched) catch most
+# bugs on the first few calls. The report keeps catalog order either way.
+RUN_FIRST = ("matches-reference",)
+
+
 def check_target(target: Target, *, profile="default", seed=0, only=None, skip=None, dtypes=None,
-                 devices=None, progress=None, require=None) -> TargetReport:
+                 devices=None, progress=None, require=None, exitfirst=False) -> TargetReport:
     props = select(only, skip)
     report = TargetReport(target.name, target.convention)
     dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
-    report.conventions = probe_conventions(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
-    report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])
-    for i, prop in enumerate(props):
+    results = {}
+    for i, prop in enumerate(sorted(props, key=lambda p: p.id not in RUN_FIRST)):
+        if exitfirst and any(r.status in ("fail", "error") for r in results.values()):
+            results[prop.id] = PropertyResult(prop.id, "skip", "not run: --exitfirst stopped at the first failure",
+                                              statement=prop.statement)
+            continue
         if progress:
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
-        report.properties.append(run_property(prop, target, profile=profile, seed=seed,
-                                              dtypes=dtypes, devices=devices))
+        results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices)
+    report.properties = [results[p.id] for p in props]
     mark_blocked(report.properties)
+    # The header's probes run last, so that the properties' calls come first (a verdict sooner).
+    report.conventions = probe_conventions(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
+    report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])
     report.properties.extend(_requirements(report, require))
     report.calls = target.calls
     return report
 
 
 def check(*targets, name=None, convention=None, profile="default", seed=None, only=None, skip=None,
-          dtypes=None, devices=None, progress=None, require=None) -> Report:
+          dtypes=None, devices=None, progress=None, require=None, exitfirst=False) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
@@ -199,7 +212,7 @@ def check(*targets, name=None, convention=None, profile="default", seed=None, on
     for obj in targets:
         target = obj if isinstance(obj, Target) else make_target(obj, name if len(targets) == 1 else None, convention)
         reports.append(check_target(target, profile=profile, seed=seed, only=only, skip=skip, dtypes=dtypes,
-                                    devices=devices, progress=progress, require=require))
+                                    devices=devices, progress=progress, require=require, exitfirst=exitfirst))
     return Report(reports, __version__, profile, seed, devices=devices, dtypes=dtypes)
 
 

@@ -90,6 +90,28 @@ def test_buggy_attention_exits_1_naming_the_property(capsys):
     assert "✗ cross-attention-shapes" not in out
 
 
+def test_exitfirst_stops_at_the_first_failure_and_keeps_catalog_order(capsys):
+    code, out, _ = cli(capsys, f"{BUGGY}:attention", *QUICK, "-x", "--format", "json")
+    assert code == 1
+    props = json.loads(out)["targets"][0]["properties"]
+    assert [p["id"] for p in props] == list(attn_spec.properties.REGISTRY)  # the report keeps catalog order
+    failed = [p for p in props if p["status"] == "fail"]
+    not_run = [p for p in props if p["message"].startswith("not run: --exitfirst")]
+    # matches-reference runs first: its first explicit example, one call, is the counterexample
+    assert [p["id"] for p in failed] == ["matches-reference"] and failed[0]["found_after_calls"] == 1
+    assert len(not_run) == len(props) - 1 and {p["status"] for p in not_run} == {"skip"}
+    assert all(p["found_after_calls"] is None for p in not_run)
+
+
+def test_found_after_calls_counts_from_the_start_of_the_check():
+    report = attn_spec.check(attn_spec.loading.load_target(f"{BUGGY}:attention"), profile="quick", seed=5,
+                             only=["rows-sum-to-one", "scale-sqrt-dk", "matches-reference"])
+    result = {p.id: p for p in report.targets[0].properties}
+    assert result["rows-sum-to-one"].status == "pass" and result["rows-sum-to-one"].found_after_calls is None
+    assert result["matches-reference"].found_after_calls == 1  # run first
+    assert 1 < result["scale-sqrt-dk"].found_after_calls <= report.targets[0].calls
+
+
 # (TARGET and extra arguments, fragments the message must contain)
 LOAD_ERRORS = {
     "missing file": (["nowhere.py:attention"], ["nowhere.py", "no file"]),

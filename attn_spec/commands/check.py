@@ -55,6 +55,8 @@ def add_parser(commands) -> None:
                             "outputs must also agree across devices")
     check.add_argument("--expect", metavar="FILE", help="properties known to fail or skip, one id per line with a "
                        "# comment: they do not fail the run; stale lines are reported")
+    check.add_argument("-x", "--exitfirst", action="store_true",
+                       help="stop at the first failing property (the fastest verdict; the rest are reported as not run)")
     check.add_argument("--format", choices=("text", "markdown", "json", "junit", "html"), default="text",
                        help="report format (html: self-contained, with heatmaps of the counterexamples)")
     check.add_argument("--output", metavar="FILE", help="write the report to FILE instead of stdout")
@@ -105,7 +107,7 @@ def run(args) -> int:
     progress = _Progress(sys.stderr.isatty())
     try:
         report = attn_spec.check(*targets, profile=args.profile, seed=args.seed, only=_flatten(args.only),
-                                 skip=_flatten(args.skip), progress=progress, require=_flatten(args.require),
+                                 skip=_flatten(args.skip), progress=progress, require=_flatten(args.require), exitfirst=args.exitfirst,
                                  dtypes=_flatten(args.dtypes) or None, devices=devices)
     except KitUsageError as exc:
         print(f"attn-spec: {exc}", file=sys.stderr)
