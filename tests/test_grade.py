@@ -230,7 +230,7 @@ def test_csv_summary_and_feedback_files(graded):
     assert len(list((out / "feedback").glob("*.md"))) == len(graded["by"])
 
 
-def test_gradescope_results_follow_the_published_fields(tmp_path, capsys):
+def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded):
     rubric = tmp_path / "rubric.toml"
     rubric.write_text(RUBRIC)
     code = main(["grade", str(HERE / "submissions" / "buggy_no_scale.py"), "--gradescope",
@@ -243,6 +243,23 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys):
         assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
         assert test["visibility"] == "visible" and test["score"] <= test["max_score"]
     assert results["score"] == sum(t["score"] for t in results["tests"])
+    assert results["score"] == graded["by"]["buggy_no_scale"]["score"]  # graded alone (--jobs 1) or by a judge
+
+
+def test_a_judge_that_dies_costs_only_the_submission_it_was_grading(tmp_path, monkeypatch):
+    from attn_spec.grading import grader as grading
+    from attn_spec.grading.submissions import discover
+
+    for name in ("a", "victim", "b", "c"):
+        shutil.copy(HERE / "submissions" / "correct_seed.py", tmp_path / f"{name}.py")
+    rubric = rubrics.load(None)
+    real_grade = grading.Grader.grade
+    monkeypatch.setattr(grading.Grader, "grade",  # runs in the judge processes, forked from this one
+                        lambda self, sub: os._exit(3) if sub.name == "victim" else real_grade(self, sub))
+    grades = {g.name: g for g in grading.grade_all(discover(str(tmp_path), rubric), rubric, jobs=2)}
+    assert grades["victim"].outcome == "grader-error" and "judge process" in grades["victim"].detail
+    assert [grades[n].outcome for n in ("a", "b", "c")] == ["graded"] * 3  # the other judge graded the rest
+    assert all(grades[n].score == grades[n].max_score > 0 for n in ("a", "b", "c"))
 
 
 def test_usage_errors_are_clear(tmp_path, capsys):

@@ -3,6 +3,7 @@
 Every scenario runs a fresh pytest in a subprocess (``pytester``), as a user would, with the
 plugin loaded through its ``pytest11`` entry point and ``--attn-profile quick`` to stay fast.
 """
+import importlib.util
 import re
 
 import pytest
@@ -110,44 +111,18 @@ def test_inert_without_attn_target(pytester):
     assert len(mentions) == 1 and mentions[0].startswith("plugins: ") and "attn-spec" in mentions[0]
 
 
-XDIST_CONFTEST = """
-import os
-
-import pytest
-
-
-class XdistHooks:  # the one pytest-xdist hook the plugin implements (xdist itself is not installed)
-    @pytest.hookspec
-    def pytest_configure_node(self, node): ...
-
-
-def pytest_addhooks(pluginmanager):
-    pluginmanager.add_hookspecs(XdistHooks)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    if "WORKER_SEED" in os.environ:  # a worker: xdist has filled workerinput from the controller
-        config.workerinput = {"attn_spec_seed": int(os.environ["WORKER_SEED"])}
-
-
-def pytest_report_header(config):
-    if "WORKER_SEED" not in os.environ:  # the controller: what would each worker receive?
-        node = type("Node", (), {"workerinput": {}})()
-        config.hook.pytest_configure_node(node=node)
-        return f"handed to workers: {node.workerinput}"
-"""
-
-
-def test_xdist_workers_use_the_seed_the_controller_prints(attn_files, monkeypatch):
-    attn_files.makeconftest(XDIST_CONFTEST)
-    args = ("--attn-target", "attn_ok.py:attention", "--attn-only", "rows-sum-to-one", "--co")
-    controller = attn_files.runpytest_subprocess(*args)
-    seed = header_seed(controller)
-    controller.stdout.fnmatch_lines([f"handed to workers: {{'attn_spec_seed': {seed}}}"])
-    monkeypatch.setenv("WORKER_SEED", str(seed))
-    worker = attn_files.runpytest_subprocess(*args)
-    assert header_seed(worker) == seed
+@pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
+def test_under_xdist_every_worker_runs_the_cases_the_controller_prints(attn_files):
+    """Two workers share the items; each failure's rerun line carries the seed of the controller's header."""
+    only = "rows-sum-to-one,scale-sqrt-dk,causal-mask,matches-reference"
+    result = attn_files.runpytest_subprocess("-n", "2", "--attn-target", "attn_ok.py:attention", "--attn-target",
+                                             "attn_bad.py:attention", "--attn-profile", "quick", "--attn-only", only)
+    result.assert_outcomes(passed=6, failed=2)  # attn_bad: scale-sqrt-dk and matches-reference
+    seed = header_seed(result)
+    result.stdout.fnmatch_lines(["*created: 2/2 workers*"])
+    reruns = re.findall(r"rerun: pytest .*--attn-seed=(\d+)", result.stdout.str())
+    assert len(reruns) == 2 and set(reruns) == {str(seed)}
+    result.stdout.fnmatch_lines(["FAILED *attn-spec[[]attn_bad.py:attention[]]::scale-sqrt-dk*"])
 
 
 USER_TESTS = """
@@ -184,3 +159,23 @@ def test_properties_in_a_users_own_tests(attn_files):
     result.stdout.fnmatch_lines(["*AssertionError: ✗ scale-sqrt-dk: *", "*likely cause: *1/d_k*",
                                  "*attn_spec.reproduce('scale-sqrt-dk', 'attn_bad:attention', case*",
                                  "FAILED test_user.py::test_check_property_catches_the_bug*"])
+
+
+def test_the_tox_thorough_env_runs_the_catalog_in_parallel():
+    """tox.ini's [testenv:thorough] command as written, cut down to one property at the quick profile."""
+    import configparser
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(root / "tox.ini")
+    command = tox["testenv:thorough"]["commands"].replace("\\\n", " ").replace("{posargs}", "")
+    args = shlex.split(command)
+    assert args[:3] == ["python", "-m", "pytest"] and "-n" in args and "thorough" in args
+    run = subprocess.run([sys.executable, *args[1:], "--attn-profile", "quick", "--attn-only", "rows-sum-to-one"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "4 passed" in run.stdout and "created: " in run.stdout  # four targets, on xdist workers

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import time
 import traceback
 import warnings
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -76,22 +74,18 @@ class Grade:
 
 
 class Grader:
-    """Grades submissions with one zygote; ``grade`` is safe to call from several threads."""
+    """Grades submissions one at a time with one zygote (``--jobs``: several judges, see pool.py)."""
 
-    def __init__(self, rubric: Rubric, jobs: int = 1, launched: zygote.Launch | None = None):
+    def __init__(self, rubric: Rubric, launched: zygote.Launch | None = None):
         self.rubric = rubric
         self.launched = launched or zygote.launch()
         self.base = self.launched.base
         try:
             self.zygote = Zygote(self.launched)
-            self.slots: queue.Queue = queue.Queue()
-            for ids in sandbox_ids(jobs):
-                self.slots.put(ids)
+            self.ids = sandbox_ids(1)[0]  # the (uid, gid) its children run as; each judge has its own
             self.props = select()
             self.not_applicable = calibrate(self.props, rubric)  # while the zygote warms up
             self.counter = itertools.count(1)
-            self.live: set = set()  # children being graded now
-            self.aborted = False
             self.zygote.wait_ready()
         except BaseException:
             self.launched.close()
@@ -99,12 +93,6 @@ class Grader:
 
     def close(self) -> None:
         self.launched.close()
-
-    def abort(self) -> None:
-        """Stop at once (Ctrl-C): kill every child being graded; no new one starts."""
-        self.aborted = True
-        for child in list(self.live):
-            child.kill()
 
     def __enter__(self):
         return self
@@ -114,14 +102,11 @@ class Grader:
 
     def grade(self, sub: Submission) -> Grade:
         start = time.monotonic()
-        ids = self.slots.get()
         try:
-            grade = self._grade(sub, ids)
+            grade = self._grade(sub, self.ids)
         except Exception as exc:  # noqa: BLE001 - one submission's grader failure must not stop the class
             grade = Grade(sub.name, GRADER_ERROR, detail=f"the grader failed ({type(exc).__name__}: {exc}); "
                           f"this is not the student's doing:\n{traceback.format_exc()}")
-        finally:
-            self.slots.put(ids)
         grade.entry, grade.seconds = sub.entry or "", round(time.monotonic() - start, 3)
         _score(grade, self.rubric)
         return grade
@@ -130,7 +115,7 @@ class Grader:
         grade = Grade(sub.name, "graded")
         if sub.problem:
             return self._not_loaded(grade, "import-error", sub.problem)
-        scratch = os.path.join(self.base, f"{next(self.counter):05d}")
+        scratch = os.path.join(self.base, f"{os.getpid()}-{next(self.counter):05d}")  # one judge process each
         os.mkdir(scratch, 0o700)
         try:
             prepare(sub, scratch, ids)
@@ -138,14 +123,10 @@ class Grader:
             config = {"scratch": scratch, "entry": sub.entry, "limits": limits, "forbidden": list(self.rubric.forbidden),
                       "names": {c: self.rubric.conventions[c].name for c in CONVENTIONS},
                       "devices": list(self.rubric.devices), "uid": ids[0] if ids else None, "gid": ids[1] if ids else None}
-            if self.aborted:
-                raise KeyboardInterrupt("grading was interrupted")
             child = self.zygote.spawn(config)
-            self.live.add(child)
             try:
                 self._run(grade, child, sub)
             finally:
-                self.live.discard(child)
                 child.close()
                 grade.output = child.output.text()
         finally:
@@ -312,26 +293,24 @@ def _score(grade: Grade, rubric: Rubric) -> None:
 
 def grade_all(subs: list[Submission], rubric: Rubric, *, jobs: int = 1, progress=None,
               launched: zygote.Launch | None = None) -> list[Grade]:
-    """Grade every submission, ``jobs`` at a time; results in the order of ``subs``.
+    """Grade every submission, ``jobs`` at a time (judge processes, see pool.py); results in the order of ``subs``.
 
     ``launched``: a zygote already started with :func:`attn_spec.grading.zygote.launch` (it is closed here).
     """
+    from attn_spec.grading.pool import grade_in_judges
+
     grades: dict[str, Grade] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # judging small tensors: parallelism comes from the jobs, not from OpenMP
     try:
-        with Grader(rubric, jobs, launched) as grader, ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(grader.grade, sub): sub for sub in subs}
-            try:
-                for future in as_completed(futures):
-                    grade = future.result()
-                    grades[grade.name] = grade
+        with Grader(rubric, launched) as grader:
+            if jobs > 1 and len(subs) > 1:
+                grades = grade_in_judges(grader, subs, sandbox_ids(jobs), progress)
+            else:
+                for sub in subs:
+                    grades[sub.name] = grader.grade(sub)
                     if progress:
                         progress(list(grades.values()), len(subs))
-            except BaseException:  # Ctrl-C: do not wait for the running submissions' time limits
-                grader.abort()
-                pool.shutdown(cancel_futures=True)
-                raise
     finally:
         torch.set_num_threads(threads)
     return [grades[sub.name] for sub in subs]

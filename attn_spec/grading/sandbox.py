@@ -238,7 +238,10 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict, hits
         except BaseException:  # noqa: BLE001 - an exception whose __str__ raises, and so on
             reply, reply_tensors = {"error": "raised", "type": "Exception", "message": "(unprintable exception)",
                                     "call": method, "traceback": ""}, []
-    reply["inputs"] = [wire.pack(wire.span_view(t), reply_tensors) for t in tensors]  # in-place edits go back
+    # In-place edits go back: each input the call changed, as the whole storage span it addresses
+    # (None: unchanged, byte for byte).
+    reply["inputs"] = [None if wire.raw_bytes(wire.span_view(t)) == before else wire.pack(wire.span_view(t), reply_tensors)
+                       for t, before in zip(tensors, chan.received)]
     reply["forbidden"] = sorted(set(hits))
     chan.send(reply, reply_tensors)
 

@@ -56,6 +56,12 @@ def span_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((_span(t.shape, t.stride()),), (1,), t.storage_offset())
 
 
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of the storage span ``t`` addresses (a CPU tensor)."""
+    n = _span(t.shape, t.stride())
+    return ctypes.string_at(t.data_ptr(), n * t.element_size()) if n else b""
+
+
 def encode_tensor(t: torch.Tensor) -> tuple[dict, bytes]:
     """(record, raw bytes) of a plain tensor, strides kept; it is read on the CPU."""
     if t.dtype not in _NAMES:
@@ -64,8 +70,7 @@ def encode_tensor(t: torch.Tensor) -> tuple[dict, bytes]:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    n = _span(t.shape, t.stride())
-    data = ctypes.string_at(t.data_ptr(), n * t.element_size()) if n else b""
+    data = raw_bytes(t)
     return {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "strides": list(t.stride()), "nbytes": len(data),
             "device": device}, data
 
@@ -96,9 +101,9 @@ def check_record(record, devices) -> tuple[torch.dtype, list[int], list[int], in
     return dtype, shape, strides, nbytes, device
 
 
-def decode_tensor(record, data: bytearray, devices) -> torch.Tensor:
-    """A fresh plain tensor from a checked record and its bytes."""
-    dtype, shape, strides, _, device = check_record(record, devices)
+def decode_tensor(checked: tuple, data: bytearray) -> torch.Tensor:
+    """A fresh plain tensor from a record :func:`check_record` accepted, and its bytes."""
+    dtype, shape, strides, _, device = checked
     base = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
     out = base.as_strided(shape, strides, 0)
     return out if device == "cpu" else out.to(device)
@@ -150,8 +155,7 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         self.sock, self.buf = sock, bytearray()
-        self.sent: list[bytes] = []  # the raw bytes of the last frame's tensors, sent ...
-        self.received: list[bytearray] = []  # ... and received
+        self.received: list[bytes] = []  # the raw bytes of the last frame's tensors, as they arrived
 
     def close(self) -> None:
         self.sock.close()
@@ -165,7 +169,6 @@ class Channel:
         head = json.dumps(dict(header, tensors=records)).encode()
         _settimeout(self.sock, deadline)  # sendall's timeout bounds the whole write
         self.sock.sendall(b"".join([len(head).to_bytes(4, "big"), head, *blobs]))
-        self.sent = blobs
 
     def _take(self, n: int, deadline) -> bytearray:
         while len(self.buf) < n:
@@ -194,8 +197,9 @@ class Channel:
         checked = [check_record(r, devices) for r in records]
         if sum(c[3] for c in checked) > max_bytes:
             raise ProtocolError(f"the frame carries more than {max_bytes} bytes of tensors")
-        self.received = [self._take(c[3], deadline) for c in checked]
-        return header, [decode_tensor(r, data, devices) for r, data in zip(records, self.received)]
+        data = [self._take(c[3], deadline) for c in checked]
+        self.received = [bytes(d) for d in data]  # a copy: the tensors share ``data`` and may be written to
+        return header, [decode_tensor(c, d) for c, d in zip(checked, data)]
 
 
 # ---------------------------------------------------------------- control datagrams
