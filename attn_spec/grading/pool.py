@@ -83,16 +83,16 @@ def grade_in_judges(grader: Grader, subs, ids: list, progress=None) -> dict[str,
             for judge in [j for j in judges if j.sock in ready]:
                 sub = subs[judge.busy]
                 line = judge.reader.readline()
-                if line:
+                if line.endswith("\n"):
                     grades[sub.name] = _grade_from(json.loads(line))
-                else:  # the judge itself died: the grader's failure, never the student's
+                else:  # the judge itself died (mid-line, perhaps): the grader's failure, never the student's
                     grades[sub.name] = Grade(sub.name, GRADER_ERROR, detail="the judge process grading it died; "
                                              "this is not the student's doing")
                     judge.close()
                     judge.busy = None
                 if progress:
                     progress(list(grades.values()), len(subs))
-                if line:
+                if judge.busy is not None:
                     _hand_out(judge, todo)
         for index in todo:  # every judge died before these were handed out
             grades[subs[index].name] = Grade(subs[index].name, GRADER_ERROR, detail="no judge process was left")
