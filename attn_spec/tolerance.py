@@ -48,7 +48,7 @@ def naive_attention(q, k, v, mask=None, *, scale=None):
 
 def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| in float64; NaN or inf anywhere counts as an infinite error."""
-    diff = (got.detach().to("cpu", torch.float64) - ref.to(torch.float64)).abs()
+    diff = (got.detach().to("cpu", torch.float64) - ref.detach().to("cpu", torch.float64)).abs()
     if diff.numel() == 0:
         return 0.0
     if not torch.isfinite(diff).all():

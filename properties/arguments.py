@@ -62,7 +62,7 @@ def is_causal(target, case):
     got = target.attend(q, k, v, None, is_causal=True)  # [..., Tq, Dv]
     candidates = {}
     for alignment in ("top-left", "bottom-right"):
-        mask = reference.causal_mask(case.n_q, case.n_kv, alignment=alignment)  # [Tq, Tk]
+        mask = reference.causal_mask(case.n_q, case.n_kv, alignment=alignment, device=q.device)  # [Tq, Tk]
         expected, _ = reference.attention(q, k, v, mask)
         candidates[alignment] = (max_error(got, expected), budget(q, k, v, mask, expected), expected)
     if any(err <= allowed for err, allowed, _ in candidates.values()):
