@@ -204,7 +204,8 @@ def check(*targets, name=None, convention=None, profile="default", seed=None, on
     >>> report.conforms, print(report)
     """
     get_profile(profile)
-    parse_requirements(require), parse_capabilities(require)  # a usage error before any work
+    parse_requirements(require)  # usage errors before any work
+    parse_capabilities(require)
     seed = random.randrange(2**32) if seed is None else seed
     dtypes = checked(dtypes or list(DTYPES), DTYPES, "dtypes")
     devices = checked(devices or available_devices(), available_devices(), "devices")

@@ -221,6 +221,7 @@ def _error_reply(exc: BaseException) -> dict:
 
 def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict, hits: list) -> None:
     target, method = targets.get(header.get("convention")), header.get("method")
+    before = [wire.raw_bytes(wire.span_view(t)) for t in tensors]  # as they arrived: the call may write into them
     args = wire.unpack(header.get("args", []), tensors)
     reply_tensors: list = []
     try:
@@ -240,8 +241,8 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict, hits
                                     "call": method, "traceback": ""}, []
     # In-place edits go back: each input the call changed, as the whole storage span it addresses
     # (None: unchanged, byte for byte).
-    reply["inputs"] = [None if wire.raw_bytes(wire.span_view(t)) == before else wire.pack(wire.span_view(t), reply_tensors)
-                       for t, before in zip(tensors, chan.received)]
+    reply["inputs"] = [None if wire.raw_bytes(wire.span_view(t)) == raw else wire.pack(wire.span_view(t), reply_tensors)
+                       for t, raw in zip(tensors, before)]
     reply["forbidden"] = sorted(set(hits))
     chan.send(reply, reply_tensors)
 

@@ -57,7 +57,9 @@ def span_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of the storage span ``t`` addresses (a CPU tensor)."""
+    """The bytes of the storage span ``t`` addresses, read on the CPU."""
+    if t.device.type != "cpu":  # a device pointer is no address to read from here
+        t = t.cpu()
     n = _span(t.shape, t.stride())
     return ctypes.string_at(t.data_ptr(), n * t.element_size()) if n else b""
 
@@ -67,9 +69,7 @@ def encode_tensor(t: torch.Tensor) -> tuple[dict, bytes]:
     if t.dtype not in _NAMES:
         raise ProtocolError(f"the wire carries no {t.dtype} tensors")
     device = str(t.device)
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    t = t.detach().cpu()  # strides as the CPU copy has them: .cpu() makes some layouts dense
     data = raw_bytes(t)
     return {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "strides": list(t.stride()), "nbytes": len(data),
             "device": device}, data
@@ -155,7 +155,6 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         self.sock, self.buf = sock, bytearray()
-        self.received: list[bytes] = []  # the raw bytes of the last frame's tensors, as they arrived
 
     def close(self) -> None:
         self.sock.close()
@@ -197,9 +196,7 @@ class Channel:
         checked = [check_record(r, devices) for r in records]
         if sum(c[3] for c in checked) > max_bytes:
             raise ProtocolError(f"the frame carries more than {max_bytes} bytes of tensors")
-        data = [self._take(c[3], deadline) for c in checked]
-        self.received = [bytes(d) for d in data]  # a copy: the tensors share ``data`` and may be written to
-        return header, [decode_tensor(c, d) for c, d in zip(checked, data)]
+        return header, [decode_tensor(c, self._take(c[3], deadline)) for c in checked]
 
 
 # ---------------------------------------------------------------- control datagrams
