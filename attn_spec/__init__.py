@@ -9,13 +9,13 @@ import warnings
 # torch warns at import when NumPy is absent; the kit never needs NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-__version__ = "0.1.0"
+from attn_spec.version import __version__
 
 __all__ = ["__version__", "check", "reproduce"]
 
 
 def __getattr__(name):  # PEP 562: `import attn_spec` stays cheap (the pytest plugin imports it in every run)
     if name in ("check", "reproduce"):
-        from attn_spec import runner
-        return getattr(runner, name)
+        from attn_spec import api
+        return getattr(api, name)
     raise AttributeError(f"module 'attn_spec' has no attribute {name!r}")

@@ -22,7 +22,7 @@ Exit status: 0 success (every target conforms), 1 a property fails, 2 usage erro
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from attn_spec import __version__
+    from attn_spec.version import __version__
     from attn_spec.commands import COMMANDS
 
     parser = argparse.ArgumentParser(prog="attn-spec", description="Property-based conformance checks for attention.",

@@ -1,11 +1,29 @@
-"""The kit's exceptions: what a property raises when it does not hold, and why a check stops."""
+"""The kit's exceptions, under one root: catch :class:`AttnSpecError` to catch any of them.
+
+    AttnSpecError
+    ├── Failure (also an AssertionError)   a property does not hold on the current case
+    │   └── TargetRaised                   ... because the target raised on a valid input
+    ├── Unsupported                        the target declared or lacks what a property needs
+    ├── KitUsageError (also a ValueError)  the caller asked for something impossible
+    ├── TargetLoadError                    a TARGET path could not be loaded
+    └── IsolationError                     grading's process boundary failed (the machine's or the kit's fault)
+
+Two control-flow signals of the grader are BaseExceptions on purpose and live beside the code that
+raises them (``grading.isolation.remote.Stopped``, ``grading.isolation.sandbox.BadOutput``): they
+must pass through Hypothesis and a property's ``except Exception`` untouched.
+"""
 from __future__ import annotations
 
 
-class Failure(AssertionError):
+class AttnSpecError(Exception):
+    """The root of every exception the kit raises on purpose."""
+
+
+class Failure(AttnSpecError, AssertionError):
     """A property does not hold on the current case.
 
-    ``message`` says what was expected and what happened; ``cause`` is the likely bug in one
+    Raise it through :mod:`attn_spec.checking.assertions`, which words every failure in one grammar.
+    ``message`` says what was measured and what was expected; ``cause`` is the likely bug in one
     sentence; ``got``/``expected`` are small tensors to print side by side.
     """
 
@@ -23,7 +41,7 @@ class TargetRaised(Failure):
         self.exc, self.user_traceback = exc, user_traceback
 
 
-class Unsupported(Exception):
+class Unsupported(AttnSpecError):
     """The target declared (NotImplementedError) or lacks a capability a property needs.
 
     ``total``: the target never does this (it takes no such argument), so the property is a
@@ -35,5 +53,13 @@ class Unsupported(Exception):
         self.total = total
 
 
-class TargetLoadError(Exception):
+class KitUsageError(AttnSpecError, ValueError):
+    """A caller asked for something impossible (an unknown profile, dtype, device or mask kind)."""
+
+
+class TargetLoadError(AttnSpecError):
     """A TARGET could not be loaded: wrong path, missing name, import error, not callable."""
+
+
+class IsolationError(AttnSpecError):
+    """Grading's process boundary failed: a problem of the machine or the kit, never of a submission."""

@@ -28,6 +28,8 @@ import re
 
 import pytest
 
+from attn_spec.errors import AttnSpecError
+
 SEED_KEY = "attn_spec_seed"  # the controller's seed, in each xdist worker's workerinput
 
 
@@ -62,12 +64,13 @@ class AttnSpecRun:
     """The state of one pytest run with ``--attn-target``: loaded targets, settings, failures so far."""
 
     def __init__(self, config):
-        from attn_spec.adapters import make_target
-        from attn_spec.cases import DTYPES, available_devices
+        from attn_spec.targets.conventions import make_target
+        from attn_spec.checking.cases import DTYPES, available_devices
         from attn_spec.errors import TargetLoadError
-        from attn_spec.loading import load_target
-        from attn_spec.runner import select
-        from attn_spec.strategies import KitUsageError, get_profile
+        from attn_spec.targets.loading import load_target
+        from attn_spec.properties import select
+        from attn_spec.checking.strategies import get_profile
+        from attn_spec.errors import KitUsageError
 
         option = config.option
         self.profile, self.convention = option.attn_profile, option.attn_convention
@@ -88,7 +91,7 @@ class AttnSpecRun:
     def pytest_report_header(self, config) -> list[str]:
         import torch
 
-        from attn_spec import __version__
+        from attn_spec.version import __version__
 
         lines = [f"attn-spec {__version__}: profile {self.profile}, --attn-seed={self.seed}, "
                  f"torch {torch.__version__}, devices {', '.join(self.devices)}"]
@@ -124,7 +127,7 @@ class TargetCollector(pytest.Collector):
         return [PropertyItem.from_parent(self, name=prop.id, prop=prop, run=run) for prop in run.properties]
 
 
-class PropertyFailed(AssertionError):
+class PropertyFailed(AttnSpecError, AssertionError):
     """A property does not hold; ``str()`` is the lesson shown as the failure."""
 
 
@@ -136,7 +139,8 @@ class PropertyItem(pytest.Item):
         self.prop, self.run = prop, run
 
     def runtest(self) -> None:
-        from attn_spec.runner import run_property
+        from attn_spec.checking.runner import run_property
+        from attn_spec.report.text import failure_text
 
         spec = self.parent.spec
         result = run_property(self.prop, self.run.targets[spec], profile=self.run.profile, seed=self.run.seed,
@@ -159,37 +163,3 @@ class PropertyItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, None, self.nodeid
-
-
-def failure_text(result) -> str:
-    """The lesson for one failed PropertyResult, as the CLI report prints it, plus the target's traceback."""
-    from attn_spec.report import failure_section
-
-    text = failure_section(result, markdown=False)
-    trace = (result.counterexample or {}).get("traceback")
-    return f"{text}\n  traceback of the target:\n{trace}" if trace else text
-
-
-def check_property(property_id: str, target, *, convention=None, profile="default", seed=None, dtypes=None,
-                   devices=None):
-    """Run one property with Hypothesis on ``target``; AssertionError with the lesson if it does not hold.
-
-    ``target`` is your function or module (any convention; ``convention=`` when it cannot be
-    detected) or an adapter. ``seed=None`` draws a random seed; the failure text names it.
-    Returns the :class:`attn_spec.report.PropertyResult` (status "pass", or "skip" with the reason
-    in ``message`` when the property does not apply to the target).
-    """
-    from attn_spec.adapters import Target, make_target
-    from attn_spec.cases import DTYPES, available_devices
-    from attn_spec.runner import run_property, select
-    from attn_spec.strategies import get_profile
-
-    get_profile(profile)
-    prop = select(only=[property_id])[0]
-    adapter = target if isinstance(target, Target) else make_target(target, convention=convention)
-    seed = random.randrange(2**32) if seed is None else seed
-    result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=list(dtypes or DTYPES),
-                          devices=list(devices or available_devices()))
-    if result.status in ("fail", "error"):
-        raise AssertionError(failure_text(result))
-    return result

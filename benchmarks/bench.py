@@ -77,7 +77,7 @@ def bench_check(rows, repeat: int, torch_s: float) -> None:
 def bench_overhead(rows) -> None:
     """In-process: the check's time, the target's own time, and the check with no-op properties."""
     import attn_spec
-    from attn_spec.catalog import REGISTRY
+    from attn_spec.checking.catalog import REGISTRY
 
     sys.path.insert(0, str(ROOT / "examples"))
     from seed_attention import attention

@@ -39,7 +39,7 @@ def mask_ignoring_polarity(Q, K, V, mask=None):
 
 def build_report_html() -> str:
     import attn_spec
-    from attn_spec.loading import load_target
+    from attn_spec.targets.loading import load_target
 
     buggy = load_target(f"{REPO / 'examples' / 'buggy_attention.py'}:attention")
     report = attn_spec.check(mask_ignoring_polarity, buggy, profile="quick", seed=3, devices=["cpu"],

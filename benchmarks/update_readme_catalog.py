@@ -5,8 +5,8 @@
 from pathlib import Path
 
 import attn_spec.properties  # noqa: F401 - fills the registry
-from attn_spec.adapters import CONVENTIONS
-from attn_spec.catalog import REGISTRY
+from attn_spec.targets.conventions import CONVENTIONS
+from attn_spec.checking.catalog import REGISTRY
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

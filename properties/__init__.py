@@ -2,8 +2,8 @@
 
 Each property is one function ``fn(target, case)`` that returns when the property holds and
 raises :class:`attn_spec.errors.Failure` with a diagnosis when it does not. ``target`` is an
-adapter from :mod:`attn_spec.adapters` or your own function or module (wrapped with
-``make_target``); ``case`` a :class:`attn_spec.cases.Case`.
+adapter from :mod:`attn_spec.targets.conventions` or your own function or module (wrapped with
+``make_target``); ``case`` a :class:`attn_spec.checking.cases.Case`.
 
     >>> from attn_spec import properties
     >>> properties.REGISTRY["rows-sum-to-one"].statement
@@ -12,12 +12,19 @@ adapter from :mod:`attn_spec.adapters` or your own function or module (wrapped w
 In your own tests, check one case, or run one property with Hypothesis (an AssertionError
 carrying the lesson when it does not hold; returns the result, status "pass" or "skip"):
 
-    >>> from attn_spec.cases import Case
+    >>> from attn_spec.checking.cases import Case
     >>> properties.rows_sum_to_one(my_attention, Case(n_q=3, n_kv=2, d_k=2, d_v=2))
     >>> properties.check_property("scale-sqrt-dk", my_attention, profile="quick", seed=0)
 """
-from attn_spec.catalog import REGISTRY, Property
-from attn_spec.pytest_plugin import check_property
+import random
+
+from attn_spec.checking.catalog import REGISTRY, Property
+from attn_spec.checking.cases import DTYPES, available_devices
+from attn_spec.checking.runner import run_property
+from attn_spec.checking.strategies import get_profile
+from attn_spec.errors import KitUsageError
+from attn_spec.report.text import failure_text
+from attn_spec.targets.conventions import Target, make_target
 
 # Import order is catalog order: the basic, decisive properties first.
 from attn_spec.properties.core import (causal_mask, cross_attention_shapes, head_concat_equivalence,  # noqa: I001
@@ -31,9 +38,38 @@ from attn_spec.properties.gradients import gradients
 from attn_spec.properties.arguments import is_causal, scale_argument
 from attn_spec.properties.devices import devices_agree
 
-__all__ = ["REGISTRY", "Property", "check_property",
+__all__ = ["REGISTRY", "Property", "select", "check_property",
            "rows_sum_to_one", "causal_mask", "permutation_equivariance", "scale_sqrt_dk", "cross_attention_shapes",
            "head_concat_equivalence", "matches_reference", "mask_semantics", "batch_independence",
            "value_linearity", "key_shift_invariance", "numerical_stability", "determinism", "inputs_unchanged",
            "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
            "scale_argument", "is_causal", "devices_agree"]
+
+
+def select(only=None, skip=None) -> list[Property]:
+    """The properties to run, in catalog order; unknown ids are a usage error."""
+    for ids in (only or [], skip or []):
+        unknown = [i for i in ids if i not in REGISTRY]
+        if unknown:
+            raise KitUsageError(f"unknown property id(s): {', '.join(unknown)}; known: {', '.join(REGISTRY)}")
+    return [p for p in REGISTRY.values() if (not only or p.id in only) and p.id not in (skip or [])]
+
+
+def check_property(property_id: str, target, *, convention=None, profile="default", seed=None, dtypes=None,
+                   devices=None):
+    """Run one property with Hypothesis on ``target``; AssertionError with the lesson if it does not hold.
+
+    ``target`` is your function or module (any convention; ``convention=`` when it cannot be
+    detected) or an adapter. ``seed=None`` draws a random seed; the failure text names it.
+    Returns the :class:`attn_spec.report.PropertyResult` (status "pass", or "skip" with the reason
+    in ``message`` when the property does not apply to the target).
+    """
+    get_profile(profile)
+    prop = select(only=[property_id])[0]
+    adapter = target if isinstance(target, Target) else make_target(target, convention=convention)
+    seed = random.randrange(2**32) if seed is None else seed
+    result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=list(dtypes or DTYPES),
+                          devices=list(devices or available_devices()))
+    if result.status in ("fail", "error"):
+        raise AssertionError(failure_text(result))
+    return result

@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 
 from attn_spec import reference
-from attn_spec.cases import Case
-from attn_spec.catalog import prop
+from attn_spec.checking.cases import Case
+from attn_spec.checking.catalog import prop
 from attn_spec.errors import Failure
-from attn_spec.tolerance import budget, max_error
+from attn_spec.checking.tolerance import budget, max_error
 
 SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch's tests use
 

@@ -8,13 +8,14 @@ import math
 
 import torch
 
-from attn_spec import probes, reference
-from attn_spec.cases import Case, MhaCase
-from attn_spec.catalog import prop
-from attn_spec.diagnose import explain_mismatch
-from attn_spec.adapters import MULTIHEAD_CONVENTIONS
+from attn_spec import reference
+from attn_spec.checking import probes
+from attn_spec.checking.cases import Case, MhaCase
+from attn_spec.checking.catalog import prop
+from attn_spec.checking.diagnose import explain_mismatch
+from attn_spec.targets.conventions import MULTIHEAD_CONVENTIONS
 from attn_spec.errors import Failure, Unsupported
-from attn_spec.tolerance import budget, max_error, multihead_budget
+from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 
 
 def _ones_like_values(k):
@@ -287,7 +288,7 @@ def matches_reference(target, case):
     """|attn(Q, K, V) - ref64(Q, K, V)| <= k * |naive - ref64| + floor, elementwise maximum.
 
     ref64 is the canonical formula in float64; naive is the same formula in the inputs'
-    dtype (see attn_spec.tolerance). Why: the structural properties can all hold while the
+    dtype (see attn_spec.checking.tolerance). Why: the structural properties can all hold while the
     values are still wrong. Catches: a wrong scale, wrong softmax axis, a mask ignored or
     inverted, float64 inputs computed in float32, precision lost in fp16 overflow.
     """

@@ -18,12 +18,13 @@ import sympy as sp
 import torch
 
 from attn_spec import reference
+from attn_spec.errors import AttnSpecError
 
 Steps = list[tuple[str, sp.Basic]]
 F64 = torch.float64
 
 
-class DerivationError(AssertionError):
+class DerivationError(AttnSpecError, AssertionError):
     """A derivation's symbolic result, or the reference's agreement with it, does not hold."""
 
 

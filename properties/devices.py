@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from attn_spec import reference
-from attn_spec.cases import Case, available_devices
-from attn_spec.catalog import prop
+from attn_spec.checking.cases import Case, available_devices
+from attn_spec.checking.catalog import prop
 from attn_spec.errors import Failure, Unsupported
-from attn_spec.tolerance import budget, max_error
+from attn_spec.checking.tolerance import budget, max_error
 
 
 @prop("devices-agree", family="devices",

@@ -3,7 +3,7 @@
 The property's docstring (in its own module) stays the source of the math, the "Why:" and the
 "Catches:"; this table adds what a docstring cannot hold well: the statement typeset as
 unicode (terminal) and LaTeX (markdown), how the kit checks it on a black box, and which live
-worked example (``attn_spec.explain.EXAMPLES``) illustrates it. ``why`` is used only when the
+worked example (``attn_spec.lessons.EXAMPLES``) illustrates it. ``why`` is used only when the
 docstring has no "Why:" paragraph. ``tests/test_teaching.py`` fails if a registered property
 has no entry here.
 """
@@ -14,7 +14,7 @@ EXPLANATIONS: dict[str, dict[str, str]] = {
         "unicode": "A = softmax(Q Kᵀ/√d_k),   Σⱼ Aᵢⱼ = 1,   Aᵢⱼ ≥ 0",
         "latex": r"A = \mathrm{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}}\right),\quad \sum_j A_{ij} = 1,\quad A_{ij} \ge 0",
         "check": "V = ones [Tk, 1] makes the output the row sums of the weights; V = identity reads the "
-                 "weights themselves (attn_spec.probes). Sums are compared with 1 within the calibrated budget.",
+                 "weights themselves (attn_spec.checking.probes). Sums are compared with 1 within the calibrated budget.",
         "example": "weights",
     },
     "causal-mask": {
@@ -58,7 +58,7 @@ EXPLANATIONS: dict[str, dict[str, str]] = {
         "unicode": "|attn(Q, K, V) − ref₆₄(Q, K, V)| ≤ k·|naive − ref₆₄| + floor",
         "latex": r"\left|\mathrm{attn}(Q,K,V) - \mathrm{ref}_{64}(Q,K,V)\right| \le k\,\left|\mathrm{naive} - \mathrm{ref}_{64}\right| + \mathrm{floor}",
         "check": "Compares the output with the float64 reference, elementwise, within a budget calibrated from "
-                 "the error of two naive implementations in the same dtype (attn_spec.tolerance).",
+                 "the error of two naive implementations in the same dtype (attn_spec.checking.tolerance).",
         "example": "output",
     },
     "mask-semantics": {

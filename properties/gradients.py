@@ -1,6 +1,6 @@
 """Gradients: attention is trained, so its backward pass is part of the contract.
 
-The reference gradients are the closed form of ``attn_spec.grad_tolerance`` in float64; a
+The reference gradients are the closed form of ``attn_spec.checking.grad_tolerance`` in float64; a
 target's gradients come through ``target.vjp`` (tensors in, tensors out), so a target whose
 output is not differentiable at all makes the property a skip, with that reason.
 """
@@ -10,11 +10,11 @@ import math
 
 import torch
 
-from attn_spec.cases import Case
-from attn_spec.catalog import prop
+from attn_spec.checking.cases import Case
+from attn_spec.checking.catalog import prop
 from attn_spec.errors import Failure
-from attn_spec.grad_tolerance import NAMES, grad_budgets, reference_grads
-from attn_spec.tolerance import max_error
+from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads
+from attn_spec.checking.tolerance import max_error
 
 FD_DIRECTIONS, FD_EPS, FD_ATOL, FD_RTOL = 3, 1e-6, 1e-5, 1e-3  # finite differences, as torch.autograd.gradcheck
 

@@ -9,12 +9,13 @@ import math
 
 import torch
 
-from attn_spec import probes, reference
-from attn_spec.adapters import FUNCTION_CONVENTIONS, broadcast_shapes
-from attn_spec.cases import Case
-from attn_spec.catalog import prop
+from attn_spec import reference
+from attn_spec.checking import probes
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
+from attn_spec.checking.cases import Case
+from attn_spec.checking.catalog import prop
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.tolerance import budget, max_error
+from attn_spec.checking.tolerance import budget, max_error
 
 F64 = torch.float64
 

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from attn_spec import reference
-from attn_spec.cases import Case
-from attn_spec.catalog import prop
+from attn_spec.checking.cases import Case
+from attn_spec.checking.catalog import prop
 from attn_spec.errors import Failure
 from attn_spec.properties.masking import push_limit
-from attn_spec.tolerance import budget, max_error
+from attn_spec.checking.tolerance import budget, max_error
 
 F64 = torch.float64
 

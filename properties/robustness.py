@@ -10,12 +10,12 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.adapters import FUNCTION_CONVENTIONS
-from attn_spec.cases import Case, MhaCase
-from attn_spec.catalog import prop
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
+from attn_spec.checking.cases import Case, MhaCase
+from attn_spec.checking.catalog import prop
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.properties.core import cross_or_self
-from attn_spec.tolerance import budget, max_error, multihead_budget
+from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 
 
 def _output(target, case):

@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import attn_spec
-    from attn_spec.adapters import make_target
-    from attn_spec.loading import load_target
+    from attn_spec.targets.conventions import make_target
+    from attn_spec.targets.loading import load_target
 
     args.out.mkdir(parents=True, exist_ok=True)
     index = ["# Conformance reports", "",

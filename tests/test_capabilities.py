@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 import attn_spec
-from attn_spec.adapters import make_target
-from attn_spec.capabilities import CAPABILITIES, probe_capabilities
+from attn_spec.targets.conventions import make_target
+from attn_spec.targets.capabilities import CAPABILITIES, probe_capabilities
 from attn_spec.cli import main
-from attn_spec.module_adapters import TorchMhaAdapter
+from attn_spec.targets.module_adapters import TorchMhaAdapter
 
 QUICK = dict(profile="quick", seed=1)
 

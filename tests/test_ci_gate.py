@@ -98,8 +98,8 @@ def test_reports_command_still_runs(tmp_path):
 
 def test_terminal_colour_marks_only_the_differing_cells():
     import attn_spec
-    from attn_spec.loading import load_target
-    from attn_spec.report import RED, render
+    from attn_spec.targets.loading import load_target
+    from attn_spec.report.text import RED, render
 
     report = attn_spec.check(load_target(BUGGY), profile="quick", seed=5, only=["scale-sqrt-dk"])
     coloured, plain = render(report, markdown=False, colour=True), render(report, markdown=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import attn_spec
-from attn_spec.adapters import CONVENTIONS
+from attn_spec.targets.conventions import CONVENTIONS
 from attn_spec.cli import main
 from attn_spec.errors import Failure, TargetLoadError
 
@@ -104,7 +104,7 @@ def test_exitfirst_stops_at_the_first_failure_and_keeps_catalog_order(capsys):
 
 
 def test_found_after_calls_counts_from_the_start_of_the_check():
-    report = attn_spec.check(attn_spec.loading.load_target(f"{BUGGY}:attention"), profile="quick", seed=5,
+    report = attn_spec.check(attn_spec.targets.loading.load_target(f"{BUGGY}:attention"), profile="quick", seed=5,
                              only=["rows-sum-to-one", "scale-sqrt-dk", "matches-reference"])
     result = {p.id: p for p in report.targets[0].properties}
     assert result["rows-sum-to-one"].status == "pass" and result["rows-sum-to-one"].found_after_calls is None
@@ -264,7 +264,7 @@ def test_command_leaves_no_files_behind(command, target, tmp_path):
 # -- the Python API --------------------------------------------------------------------------------
 
 def _load(path, name):
-    from attn_spec.loading import load_target
+    from attn_spec.targets.loading import load_target
 
     return load_target(f"{path}:{name}")
 
@@ -299,7 +299,7 @@ def test_reproduction_snippet_from_the_python_api():
 
 
 def test_reproduce_says_when_the_property_holds(capsys):
-    from attn_spec.cases import Case
+    from attn_spec.checking.cases import Case
 
     attn_spec.reproduce("scale-sqrt-dk", f"{SEED}:attention", Case(n_q=1, d_k=16, d_v=1))
     assert "scale-sqrt-dk holds on" in capsys.readouterr().out

@@ -20,9 +20,9 @@ import torch
 
 from attn_spec.cli import main
 from attn_spec.grading import rubric as rubrics
-from attn_spec.grading import wire
+from attn_spec.grading.isolation import wire
 from attn_spec.grading.grader import OUTCOMES
-from attn_spec.grading.scan import scan
+from attn_spec.grading.isolation.scan import scan
 
 HERE = Path(__file__).parent
 ROOT = os.geteuid() == 0
@@ -197,7 +197,7 @@ def test_no_scratch_folder_or_process_is_left_behind(graded):
     workers = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if b"attn_spec.grading.zygote" in (proc / "cmdline").read_bytes():
+            if b"attn_spec.grading.isolation.zygote" in (proc / "cmdline").read_bytes():
                 workers.append(proc.name)
         except OSError:
             pass
@@ -248,6 +248,7 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded
 
 def test_a_judge_that_dies_costs_only_the_submission_it_was_grading(tmp_path, monkeypatch):
     from attn_spec.grading import grader as grading
+    from attn_spec.grading.pool import grade_all
     from attn_spec.grading.submissions import discover
 
     for name in ("a", "victim", "b", "c"):
@@ -256,7 +257,7 @@ def test_a_judge_that_dies_costs_only_the_submission_it_was_grading(tmp_path, mo
     real_grade = grading.Grader.grade
     monkeypatch.setattr(grading.Grader, "grade",  # runs in the judge processes, forked from this one
                         lambda self, sub: os._exit(3) if sub.name == "victim" else real_grade(self, sub))
-    grades = {g.name: g for g in grading.grade_all(discover(str(tmp_path), rubric), rubric, jobs=2)}
+    grades = {g.name: g for g in grade_all(discover(str(tmp_path), rubric), rubric, jobs=2)}
     assert grades["victim"].outcome == "grader-error" and "judge process" in grades["victim"].detail
     assert [grades[n].outcome for n in ("a", "b", "c")] == ["graded"] * 3  # the other judge graded the rest
     assert all(grades[n].score == grades[n].max_score > 0 for n in ("a", "b", "c"))

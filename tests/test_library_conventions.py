@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 import attn_spec
-from attn_spec.adapters import detect_convention, make_target
+from attn_spec.targets.conventions import detect_convention, make_target
 from attn_spec.cli import main
-from attn_spec.module_adapters import TorchMhaAdapter
-from attn_spec.strategies import KitUsageError
+from attn_spec.targets.module_adapters import TorchMhaAdapter
+from attn_spec.errors import KitUsageError
 
 QUICK = ["--profile", "quick", "--seed", "3"]
 MASKS = ["causal-mask", "mask-semantics", "head-concat-equivalence", "matches-reference"]

@@ -129,7 +129,7 @@ USER_TESTS = """
 import pytest
 
 from attn_spec import properties
-from attn_spec.cases import Case
+from attn_spec.checking.cases import Case
 from attn_bad import attention as buggy
 from attn_ok import MultiHeadAttention, attention
 

@@ -3,7 +3,7 @@ import re
 from pathlib import Path
 
 import attn_spec.properties  # noqa: F401 - fills the registry
-from attn_spec.catalog import REGISTRY
+from attn_spec.checking.catalog import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

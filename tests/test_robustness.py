@@ -5,10 +5,10 @@ import math
 import torch
 
 import attn_spec
-from attn_spec.adapters import make_target
-from attn_spec.cases import Case
-from attn_spec.grad_tolerance import grad_budgets, reference_grads
-from attn_spec.tolerance import max_error
+from attn_spec.targets.conventions import make_target
+from attn_spec.checking.cases import Case
+from attn_spec.checking.grad_tolerance import grad_budgets, reference_grads
+from attn_spec.checking.tolerance import max_error
 from gallery.core import SeedMultiHead, seed_function
 
 

@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, seed, settings
 
 import attn_spec
-from attn_spec import strategies
-from attn_spec.cases import DTYPES, Case, MhaCase, available_devices
-from attn_spec.strategies import PROFILES, KitUsageError, cases, mha_cases
+from attn_spec.checking import strategies
+from attn_spec.checking.cases import DTYPES, Case, MhaCase, available_devices
+from attn_spec.checking.strategies import PROFILES, cases, mha_cases
+from attn_spec.errors import KitUsageError
 
 SAMPLES = 300
 REPO = Path(__file__).resolve().parents[1]
@@ -173,8 +174,8 @@ def _without_timings(data):
     ("examples/buggy_attention.py:attention", ["rows-sum-to-one", "scale-sqrt-dk", "matches-reference"]),
 ])
 def test_same_seed_reproduces_a_run(target, only, monkeypatch):
-    from attn_spec.adapters import make_target
-    from attn_spec.loading import load_target
+    from attn_spec.targets.conventions import make_target
+    from attn_spec.targets.loading import load_target
 
     monkeypatch.chdir(REPO)
 

@@ -14,10 +14,10 @@ import pytest
 
 import attn_spec
 import attn_spec.properties  # noqa: F401 - registers the catalog
-from attn_spec import explain, reference
-from attn_spec.catalog import REGISTRY
+from attn_spec import lessons as explain, reference
+from attn_spec.checking.catalog import REGISTRY
 from attn_spec.cli import main
-from attn_spec.html import to_html
+from attn_spec.report.html import to_html
 from attn_spec.properties import derivations
 from attn_spec.properties.explanations import EXPLANATIONS
 

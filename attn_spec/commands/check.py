@@ -5,9 +5,9 @@ import os
 import sys
 import time
 
-from attn_spec.ci import Expectations, github_annotations, to_junit
+from attn_spec.report.ci import Expectations, github_annotations, to_junit
 from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE
-from attn_spec.report import render as render_report
+from attn_spec.report.text import render as render_report
 
 CHECK_EPILOG = """\
 Examples:
@@ -32,10 +32,10 @@ def _ids(text: str) -> list[str]:
 def add_parser(commands) -> None:
     import argparse
 
-    from attn_spec.adapters import CONVENTIONS
-    from attn_spec.capabilities import CAPABILITIES
-    from attn_spec.conventions import VALUES
-    from attn_spec.strategies import PROFILES
+    from attn_spec.targets.conventions import CONVENTIONS
+    from attn_spec.targets.capabilities import CAPABILITIES
+    from attn_spec.targets.behaviours import VALUES
+    from attn_spec.checking.strategies import PROFILES
 
     check = commands.add_parser("check", help="check attention functions or modules against the catalog",
                                 epilog=CHECK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,10 +86,10 @@ def _flatten(lists) -> list[str]:
 
 def run(args) -> int:
     import attn_spec
-    from attn_spec.adapters import make_target
+    from attn_spec.targets.conventions import make_target
     from attn_spec.errors import TargetLoadError
-    from attn_spec.loading import load_target
-    from attn_spec.strategies import KitUsageError
+    from attn_spec.targets.loading import load_target
+    from attn_spec.errors import KitUsageError
 
     targets = []
     for spec in args.targets:
@@ -130,8 +130,8 @@ def run(args) -> int:
 
 
 def _devices(choice: str):
-    from attn_spec.cases import available_devices
-    from attn_spec.strategies import KitUsageError
+    from attn_spec.checking.cases import available_devices
+    from attn_spec.errors import KitUsageError
 
     available = available_devices()
     if choice == "all":

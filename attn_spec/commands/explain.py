@@ -16,8 +16,8 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.catalog import REGISTRY
-    from attn_spec.explain import render
+    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.lessons import render
 
     if args.id not in REGISTRY:
         print(f"attn-spec: unknown property id {args.id!r}; known ids:\n  " + "\n  ".join(REGISTRY), file=sys.stderr)

@@ -89,13 +89,14 @@ def run(args) -> int:
     if problem:
         print(f"attn-spec: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    from attn_spec.grading.zygote import launch
+    from attn_spec.grading.isolation.zygote import launch
 
     launched = launch()  # the warm worker imports torch while this process loads the catalog
-    from attn_spec.strategies import KitUsageError
+    from attn_spec.errors import KitUsageError
 
     try:
-        from attn_spec.grading.grader import GRADER_ERROR, grade_all
+        from attn_spec.grading.grader import GRADER_ERROR
+        from attn_spec.grading.pool import grade_all
         from attn_spec.grading.outputs import write_outputs
         from attn_spec.grading.rubric import load
         from attn_spec.grading.submissions import discover

@@ -16,7 +16,7 @@ def run(args) -> int:
     from tabulate import tabulate
 
     import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.catalog import REGISTRY
+    from attn_spec.checking.catalog import REGISTRY
 
     markdown = args.format == "markdown"
     rows = [[p.id, p.family, p.statement if markdown else textwrap.fill(p.statement, 60),

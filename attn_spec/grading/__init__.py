@@ -3,10 +3,10 @@
 - :mod:`~attn_spec.grading.rubric`: the TOML rubric (points, profile and seed, limits, forbidden calls).
 - :mod:`~attn_spec.grading.submissions`: finds submissions; their scratch folders and sandbox users.
 - :mod:`~attn_spec.grading.grader`: grades each submission with the catalog, and scores it.
-- :mod:`~attn_spec.grading.remote`: the grader's side of a submission's process (``RemoteTarget``).
-- :mod:`~attn_spec.grading.zygote` and :mod:`~attn_spec.grading.sandbox`: the warm worker and the
+- :mod:`~attn_spec.grading.isolation.remote`: the grader's side of a submission's process (``RemoteTarget``).
+- :mod:`~attn_spec.grading.isolation.zygote` and :mod:`~attn_spec.grading.isolation.sandbox`: the warm worker and the
   confined child that runs the student's code.
-- :mod:`~attn_spec.grading.wire` and :mod:`~attn_spec.grading.scan`: the data-only wire format and
+- :mod:`~attn_spec.grading.isolation.wire` and :mod:`~attn_spec.grading.isolation.scan`: the data-only wire format and
   the static source checks.
 - :mod:`~attn_spec.grading.outputs`: grades.csv, grades.json, feedback, summary, Gradescope results.
 

@@ -30,7 +30,7 @@ calls = [
     "torch.nn.functional.multi_head_attention_forward",
     "torch.nn.MultiheadAttention",
     "attn_spec.reference.*",   # the answer it is judged by
-    "attn_spec.tolerance.*",   # the kit's naive attentions
+    "attn_spec.checking.tolerance.*",   # the kit's naive attentions
 ]
 penalty = 1.0                # fraction of the score removed when one is used: 1.0 = zero, 0.0 = report only
 

@@ -1,7 +1,7 @@
 """Grade submissions: find them, run each in its own confined child, score what the catalog finds.
 
 The grader process generates every input and judges every output with the ordinary catalog
-(:func:`attn_spec.runner.run_property` on a :class:`~attn_spec.grading.remote.RemoteTarget`);
+(:func:`attn_spec.checking.runner.run_property` on a :class:`~attn_spec.grading.isolation.remote.RemoteTarget`);
 the student's code only ever runs in a child forked from the zygote.
 """
 from __future__ import annotations
@@ -13,24 +13,25 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 
-import torch
 
 from attn_spec import reference
-from attn_spec.adapters import PROJECTIONS, FunctionTarget, ModuleTarget
-from attn_spec.grading import zygote
-from attn_spec.grading.remote import RemoteTarget, Stopped, Zygote
+from attn_spec.errors import IsolationError
+from attn_spec.targets.conventions import PROJECTIONS, FunctionTarget, ModuleTarget
+from attn_spec.grading.isolation import zygote
+from attn_spec.grading.isolation.remote import RemoteTarget, Stopped, Zygote
 from attn_spec.grading.rubric import CONVENTIONS, Rubric
 from attn_spec.grading.submissions import Submission, prepare, remove, sandbox_ids
-from attn_spec.module_adapters import SeedAdapter
-from attn_spec.runner import mark_blocked, run_property, select
-from attn_spec.tolerance import naive_multihead, seed_attention
+from attn_spec.targets.module_adapters import SeedAdapter
+from attn_spec.checking.runner import mark_blocked, run_property
+from attn_spec.properties import select
+from attn_spec.checking.tolerance import naive_multihead, seed_attention
 
 OUTCOMES = ("graded", "syntax-error", "import-error", "missing-attention", "timeout", "memory-limit", "crashed",
             "exited", "bad-output", "forbidden")
 GRADER_ERROR = "grader-error"  # a bug or failure of the grader itself, never the student's doing
 
 
-class SandboxError(RuntimeError):
+class SandboxError(IsolationError):
     """The child could not confine itself (a problem of the machine or the kit, never of the submission)."""
 
 
@@ -289,28 +290,3 @@ def _score(grade: Grade, rubric: Rubric) -> None:
     if grade.forbidden:
         earned *= 1.0 - rubric.penalty
     grade.score, grade.max_score = round(earned, 4), round(sum(row.max_points for row in grade.properties), 4)
-
-
-def grade_all(subs: list[Submission], rubric: Rubric, *, jobs: int = 1, progress=None,
-              launched: zygote.Launch | None = None) -> list[Grade]:
-    """Grade every submission, ``jobs`` at a time (judge processes, see pool.py); results in the order of ``subs``.
-
-    ``launched``: a zygote already started with :func:`attn_spec.grading.zygote.launch` (it is closed here).
-    """
-    from attn_spec.grading.pool import grade_in_judges
-
-    grades: dict[str, Grade] = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # judging small tensors: parallelism comes from the jobs, not from OpenMP
-    try:
-        with Grader(rubric, launched) as grader:
-            if jobs > 1 and len(subs) > 1:
-                grades = grade_in_judges(grader, subs, sandbox_ids(jobs), progress)
-            else:
-                for sub in subs:
-                    grades[sub.name] = grader.grade(sub)
-                    if progress:
-                        progress(list(grades.values()), len(subs))
-    finally:
-        torch.set_num_threads(threads)
-    return [grades[sub.name] for sub in subs]

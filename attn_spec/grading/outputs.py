@@ -17,8 +17,8 @@ from collections import Counter
 
 import torch
 
-from attn_spec import __version__
-from attn_spec.report import counterexample_matrices
+from attn_spec.version import __version__
+from attn_spec.report.text import counterexample_matrices
 
 OUTCOME_TEXT = {
     "graded": "Every property ran on your code.",

@@ -1,4 +1,4 @@
-"""``--jobs N``: N judge processes, so that judging runs on every core.
+"""Grade a class: :func:`grade_all`, with ``--jobs N`` judge processes so that judging runs on every core.
 
 Judging a submission is mostly the grader's own Python (Hypothesis draws the inputs, the float64
 reference and the budgets judge the outputs). Threads in one process queue behind its interpreter
@@ -18,7 +18,12 @@ import socket
 import traceback
 from dataclasses import dataclass
 
+import torch
+
 from attn_spec.grading.grader import GRADER_ERROR, Grade, Grader, PropertyGrade
+from attn_spec.grading.isolation import zygote
+from attn_spec.grading.rubric import Rubric
+from attn_spec.grading.submissions import Submission, sandbox_ids
 
 
 @dataclass
@@ -110,3 +115,26 @@ def _hand_out(judge: _Judge, todo: list[int]) -> None:
     judge.busy = todo.pop(0) if todo else None
     if judge.busy is not None:
         judge.sock.sendall(f"{judge.busy}\n".encode())
+
+
+def grade_all(subs: list[Submission], rubric: Rubric, *, jobs: int = 1, progress=None,
+              launched: zygote.Launch | None = None) -> list[Grade]:
+    """Grade every submission, ``jobs`` at a time (judge processes, below); results in the order of ``subs``.
+
+    ``launched``: a zygote already started with :func:`attn_spec.grading.isolation.zygote.launch` (it is closed here).
+    """
+    grades: dict[str, Grade] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # judging small tensors: parallelism comes from the jobs, not from OpenMP
+    try:
+        with Grader(rubric, launched) as grader:
+            if jobs > 1 and len(subs) > 1:
+                grades = grade_in_judges(grader, subs, sandbox_ids(jobs), progress)
+            else:
+                for sub in subs:
+                    grades[sub.name] = grader.grade(sub)
+                    if progress:
+                        progress(list(grades.values()), len(subs))
+    finally:
+        torch.set_num_threads(threads)
+    return [grades[sub.name] for sub in subs]

@@ -11,10 +11,11 @@ import importlib
 import tomllib
 from dataclasses import dataclass, field, replace
 
-from attn_spec.catalog import REGISTRY
+from attn_spec.checking.catalog import REGISTRY
 from attn_spec.grading.default_rubric import DEFAULT_RUBRIC
-from attn_spec.cases import available_devices
-from attn_spec.strategies import DTYPES, PROFILES, KitUsageError
+from attn_spec.checking.cases import available_devices
+from attn_spec.checking.strategies import DTYPES, PROFILES
+from attn_spec.errors import KitUsageError
 
 
 CONVENTIONS = ("function", "module")

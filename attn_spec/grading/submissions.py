@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attn_spec.grading.rubric import Rubric
-from attn_spec.strategies import KitUsageError
+from attn_spec.errors import KitUsageError
 
 SANDBOX_USER = "nobody"
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.tolerance import max_error, naive_attention
+from attn_spec.checking.tolerance import max_error, naive_attention
 
 F64 = torch.float64
 

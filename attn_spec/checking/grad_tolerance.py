@@ -1,4 +1,4 @@
-"""Reference gradients and their error budgets, earned by measurement like ``attn_spec.tolerance``.
+"""Reference gradients and their error budgets, earned by measurement like ``attn_spec.checking.tolerance``.
 
 The float64 reference gradients of L = <attention(Q, K, V), G> come in closed form, the
 backward pass FlashAttention computes:
@@ -12,7 +12,7 @@ backward pass FlashAttention computes:
 A masked key has A = 0, hence dS = 0: no gradient reaches it, and none leaves a fully masked row.
 
 A target's gradient dX may err by what an ordinary same-dtype implementation (autograd through
-the two naive forms of ``attn_spec.tolerance``) shows on the same inputs, times GRAD_FACTOR,
+the two naive forms of ``attn_spec.checking.tolerance``) shows on the same inputs, times GRAD_FACTOR,
 plus a floor:
 
     |dX - dX64|_max  <=  GRAD_FACTOR * |dX_naive - dX64|_max  +  FLOOR_ULPS * grad_floor_unit
@@ -39,7 +39,7 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.tolerance import FACTOR, FLOOR_ULPS, eps, max_error, naive_attention, seed_attention
+from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error, naive_attention, seed_attention
 
 GRAD_FACTOR = 2 * FACTOR
 F64 = torch.float64

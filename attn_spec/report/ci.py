@@ -5,7 +5,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attn_spec.report import Report, failure_section
+from attn_spec.report.results import Report
+from attn_spec.report.text import failure_section
 
 
 def to_junit(report: Report) -> str:
@@ -78,7 +79,7 @@ class Expectations:
 
     def apply(self, report: Report) -> None:
         """Mark listed failures as expected; warn about ids that match nothing or now pass."""
-        from attn_spec.catalog import REGISTRY
+        from attn_spec.checking.catalog import REGISTRY
 
         known = set(REGISTRY) | {p.id for t in report.targets for p in t.properties}
         for unknown in sorted(set(self.ids) - known):

@@ -3,7 +3,7 @@
 - :class:`Zygote` is the grader's handle on the warm process: it asks it for one child per submission.
 - :class:`Child` is one submission's process: every exchange has a deadline; a timeout, a death,
   or a reply that is not valid data raises :class:`Stopped` with the matching outcome.
-- :class:`RemoteTarget` is an ordinary :class:`attn_spec.adapters.Target` whose calls go to the
+- :class:`RemoteTarget` is an ordinary :class:`attn_spec.targets.conventions.Target` whose calls go to the
   child; replies are rebuilt as plain tensors and checked here, so the catalog runs unchanged.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ import warnings
 
 import torch
 
-from attn_spec.adapters import Target, attend_shape, check_output
-from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.grading import wire, zygote
-from attn_spec.grading.sandbox import BROKEN
+from attn_spec.targets.conventions import Target, attend_shape, check_output
+from attn_spec.errors import Failure, IsolationError, TargetRaised, Unsupported
+from attn_spec.grading.isolation import wire, zygote
+from attn_spec.grading.isolation.wire import BROKEN
 
 SPAWN_SECONDS = 30  # for the zygote to fork a child (it only forks)
 STATUS_SECONDS = 5  # for a dead or killed child's exit status to arrive
@@ -42,7 +42,7 @@ class Stopped(BaseException):
         self.outcome, self.detail = outcome, detail
 
 
-class ZygoteError(RuntimeError):
+class ZygoteError(IsolationError):
     """The warm worker could not start or stopped answering (a problem of the machine, not a submission)."""
 
 

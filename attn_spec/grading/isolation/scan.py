@@ -8,7 +8,7 @@
 
 A forbidden entry is a dotted name (``torch.nn.functional.scaled_dot_product_attention``) or a
 module followed by ``.*`` (``attn_spec.reference.*``: the module and everything in it).
-The runtime tripwires (:mod:`attn_spec.grading.sandbox`) catch calls made in ways a static scan
+The runtime tripwires (:mod:`attn_spec.grading.isolation.sandbox`) catch calls made in ways a static scan
 cannot see (``getattr`` with a computed name).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hypothesis strategies that generate the attention inputs most likely to expose bugs.
 
-Every strategy draws a :class:`~attn_spec.cases.Case` (shapes, dtype, device, seed), not raw
+Every strategy draws a :class:`~attn_spec.checking.cases.Case` (shapes, dtype, device, seed), not raw
 tensors: drawing a seed instead of every element keeps generation fast at d_k = 256 and
 lets shrinking move towards small shapes, float64 and small-integer entries, which print as
 readable matrices.
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from attn_spec.cases import DTYPES, Case, MhaCase, available_devices
+from attn_spec.errors import KitUsageError
+from attn_spec.checking.cases import DTYPES, Case, MhaCase, available_devices
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,6 @@ PROFILES = {
     "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
                         3, (0.1, 1.0, 3.0, 8.0)),
 }
-
-
-class KitUsageError(ValueError):
-    """A caller asked for something impossible (an unknown profile, dtype, device or mask kind)."""
 
 
 MASK_KINDS = ("none", "random", "causal")

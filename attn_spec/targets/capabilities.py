@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec.adapters import FUNCTION_CONVENTIONS
-from attn_spec.cases import DTYPES
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
+from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.strategies import KitUsageError
+from attn_spec.errors import KitUsageError
 
 CAPABILITIES = ("mask", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
                 "float64", "float16", "bfloat16")
@@ -95,5 +95,5 @@ def parse_capabilities(items) -> list[str]:
     unknown = [name for name in names if name not in CAPABILITIES]
     if unknown:
         raise KitUsageError(f"--require {unknown[0]}: unknown capability; capabilities: {', '.join(CAPABILITIES)} "
-                            f"(or a convention as key=value, see attn_spec.conventions)")
+                            f"(or a convention as key=value, see attn_spec.targets.behaviours)")
     return names

@@ -35,7 +35,7 @@ def _doc_parts(doc: str) -> tuple[str, str, str]:
 def explanation(property_id: str) -> dict:
     """The sections of one property's lesson as plain data; KeyError for an unknown id."""
     import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.catalog import REGISTRY
+    from attn_spec.checking.catalog import REGISTRY
     from attn_spec.properties.explanations import EXPLANATIONS
 
     prop, extra = REGISTRY[property_id], EXPLANATIONS.get(property_id, {})

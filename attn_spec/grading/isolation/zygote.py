@@ -1,10 +1,10 @@
 """The zygote: a warm process that imports torch once and forks one fresh child per submission.
 
-Started by :func:`launch` as ``python -c "from attn_spec.grading.zygote import main; main(FD)"`` with
+Started by :func:`launch` as ``python -c "from attn_spec.grading.isolation.zygote import main; main(FD)"`` with
 ``OMP_NUM_THREADS=1`` (so it stays single-threaded and forking is safe) in an empty working folder.
 This module imports nothing heavy at the top, so the grader can launch the zygote first and import
 torch and the catalog while the zygote does the same.
-It imports torch and :mod:`attn_spec.grading.sandbox`, does no tensor math, then waits on the
+It imports torch and :mod:`attn_spec.grading.isolation.sandbox`, does no tensor math, then waits on the
 socket FD for spawn requests: a JSON config plus three file descriptors (the child's channel to
 the grader, a control socket, the write end of the output pipe).
 
@@ -85,7 +85,7 @@ def launch() -> Launch:
     os.chmod(base, 0o711)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    code = f"from attn_spec.grading.zygote import main; main({theirs.fileno()})"
+    code = f"from attn_spec.grading.isolation.zygote import main; main({theirs.fileno()})"
     proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], cwd=base, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             start_new_session=True)  # Ctrl-C reaches the grader, which tears everything down
@@ -111,7 +111,7 @@ def _kill_group(pid: int) -> None:
 
 def monitor(ctrl: socket.socket, pid: int) -> None:
     """Watch one child: kill its group on request, report its exit status, then return."""
-    from attn_spec.grading import wire
+    from attn_spec.grading.isolation import wire
 
     wire.send_message(ctrl, {"pid": pid})
     killed = False
@@ -145,7 +145,7 @@ def _spawn(config: dict, fds: list[int]) -> None:
     pid = os.fork()
     if pid == 0:
         os.close(ctrl_fd)
-        from attn_spec.grading import sandbox
+        from attn_spec.grading.isolation import sandbox
 
         sandbox.run(chan, out, config)  # never returns
     os.close(chan)
@@ -163,7 +163,7 @@ def _reap(*_) -> None:
 
 
 def main(fd: int) -> None:
-    from attn_spec.grading import sandbox, wire  # noqa: F401 - loaded once, used by every child
+    from attn_spec.grading.isolation import sandbox, wire  # noqa: F401 - loaded once, used by every child
 
     preload()
     sock = socket.socket(fileno=fd)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from attn_spec.report import header_lines
+from attn_spec.report.text import header_lines
 
 MAX_CELLS = 16  # rows and columns drawn per heatmap
 

@@ -7,9 +7,9 @@ import torch
 
 import attn_spec
 from attn_spec import reference
-from attn_spec.adapters import make_target
+from attn_spec.targets.conventions import make_target
 from attn_spec.cli import main
-from attn_spec.conventions import VALUES, probe_conventions
+from attn_spec.targets.behaviours import VALUES, probe_behaviours
 
 NEG_INF = float("-inf")
 
@@ -79,7 +79,7 @@ def bottom_right_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
 
 
 def _probe(fn, convention=None):
-    return probe_conventions(make_target(fn, convention=convention))
+    return probe_behaviours(make_target(fn, convention=convention))
 
 
 @pytest.mark.parametrize("fn, expected", [(nan_rows, "nan"), (zero_rows, "zeros"), (uniform_rows, "uniform"),
@@ -121,17 +121,17 @@ def test_module_convention_and_fixed_keys():
 def test_inverted_polarity_is_named_by_mask_semantics():
     report = attn_spec.check(true_ignores, profile="quick", seed=1, only=["mask-semantics"], dtypes=["float64"])
     result = report.targets[0].properties[0]
-    assert report.targets[0].conventions["mask-polarity"] == "true-ignores"
+    assert report.targets[0].behaviours["mask-polarity"] == "true-ignores"
     assert result.status == "fail" and "inverted polarity" in result.cause
 
 
-def test_report_header_and_json_show_conventions():
+def test_report_header_and_json_show_behaviours():
     report = attn_spec.check(zero_rows, profile="quick", seed=1, only=["scale-sqrt-dk"], dtypes=["float64"])
     assert report.conforms
     text = str(report)
-    assert "conventions: fully-masked=zeros, mask-polarity=true-attends, masked-nan=ignored" in text
-    assert "conventions: fully-masked=zeros" in report.to_markdown()
-    assert report.to_dict()["targets"][0]["conventions"]["fully-masked"] == "zeros"
+    assert "behaviours: fully-masked=zeros, mask-polarity=true-attends, masked-nan=ignored" in text
+    assert "behaviours: fully-masked=zeros" in report.to_markdown()
+    assert report.to_dict()["targets"][0]["behaviours"]["fully-masked"] == "zeros"
 
 
 def test_required_convention_fails_only_when_it_differs():
@@ -164,7 +164,8 @@ def _cli(target, *require):
 def test_cli_require_passes(target_file, capsys):
     assert _cli(target_file, "fully-masked=nan", "masked-nan=propagates") == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["targets"][0]["conventions"]["fully-masked"] == "nan"
+    assert data["targets"][0]["behaviours"]["fully-masked"] == "nan"
+    assert data["targets"][0]["conventions"] == data["targets"][0]["behaviours"]  # the deprecated alias
 
 
 def test_cli_require_fails(target_file, capsys):
@@ -174,7 +175,7 @@ def test_cli_require_fails(target_file, capsys):
 
 
 @pytest.mark.parametrize("item, problem", [("fully-masked=zero", "unknown value 'zero'"),
-                                           ("padding=left", "unknown convention 'padding'")])
+                                           ("padding=left", "unknown behaviour 'padding'")])
 def test_cli_require_usage_errors(target_file, capsys, item, problem):
     assert _cli(target_file, item) == 2
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The child side of the grader: confine this process, load one submission, answer calls.
 
-This code runs in a process forked from the zygote (:mod:`attn_spec.grading.zygote`), which
+This code runs in a process forked from the zygote (:mod:`attn_spec.grading.isolation.zygote`), which
 imported torch and this module and did no tensor math. Everything here is trusted until the
 submission is imported; from then on the student's code shares the process and can change
 anything in it (torch, the kit, this module), so the grader believes nothing it sends back beyond
@@ -25,17 +25,17 @@ import sys
 
 import torch
 
-from attn_spec.adapters import FunctionTarget, ModuleTarget
-from attn_spec.module_adapters import SeedAdapter
+from attn_spec.targets.conventions import FunctionTarget, ModuleTarget
+from attn_spec.targets.module_adapters import SeedAdapter
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.grading import wire
-from attn_spec.grading.scan import scan
-from attn_spec.loading import user_traceback
+from attn_spec.grading.isolation import wire
+from attn_spec.grading.isolation.wire import BROKEN
+from attn_spec.grading.isolation.scan import scan
+from attn_spec.targets.loading import user_traceback
 
 METHODS = ("attend", "multihead", "vjp")  # what the grader may call on a target
 TEXT_LIMIT = 8000  # characters of a message or traceback sent back
 CLONE_NEWNET, PR_SET_NO_NEW_PRIVS = 0x40000000, 38
-BROKEN = 70  # exit status when this module's own code fails in the child (EX_SOFTWARE)
 
 
 class BadOutput(BaseException):

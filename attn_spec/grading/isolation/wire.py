@@ -4,7 +4,7 @@ Between the grader and a submission's process (a stream socket), one frame is
 
     4-byte big-endian header length | JSON header | raw bytes of each tensor, in order
 
-The header's ``"tensors"`` lists one record per tensor: ``dtype`` (from :data:`DTYPES`), ``shape``,
+The header's ``"tensors"`` lists one record per tensor: ``dtype`` (from :data:`WIRE_DTYPES`), ``shape``,
 ``strides`` and ``nbytes`` (the storage span the strides address, so transposed, sliced and expanded
 inputs arrive as they were sent). Other header fields are plain JSON; a tensor inside them is written
 ``{"$t": index}``. Frames from a submission are untrusted: :meth:`Channel.recv` checks every field and
@@ -22,22 +22,26 @@ import time
 
 import torch
 
-DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+from attn_spec.checking.cases import DTYPES
+from attn_spec.errors import AttnSpecError
+
+# What the wire carries: the kit's floating dtypes, plus the integer and bool dtypes masks and outputs may have.
+WIRE_DTYPES = {
+    **DTYPES, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in DTYPES.values()}
+_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+_ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in WIRE_DTYPES.values()}
 MAX_HEADER = 1 << 20  # bytes of JSON in one frame
 MAX_DIMS = 8
+BROKEN = 70  # a child's exit status when the kit's own code fails in it (EX_SOFTWARE)
 
 
-class ProtocolError(Exception):
+class ProtocolError(AttnSpecError):
     """The peer sent something that is not a valid frame (or a tensor the wire does not carry)."""
 
 
-class PeerClosed(Exception):
+class PeerClosed(AttnSpecError):
     """The other end closed the connection (the process is gone, or closed its socket)."""
 
 
@@ -85,10 +89,10 @@ def check_record(record, devices) -> tuple[torch.dtype, list[int], list[int], in
     """Validate one tensor record from the peer; returns (dtype, shape, strides, nbytes, device)."""
     if not isinstance(record, dict):
         raise ProtocolError("a tensor record is not an object")
-    dtype = DTYPES.get(record.get("dtype")) if isinstance(record.get("dtype"), str) else None
+    dtype = WIRE_DTYPES.get(record.get("dtype")) if isinstance(record.get("dtype"), str) else None
     if dtype is None:
         raise ProtocolError(f"dtype {str(record.get('dtype'))[:40]!r} is not one the wire carries "
-                            f"({', '.join(DTYPES)})")
+                            f"({', '.join(WIRE_DTYPES)})")
     shape, strides = _int_list(record.get("shape"), "shape"), _int_list(record.get("strides"), "strides")
     nbytes, device = record.get("nbytes"), record.get("device")
     if len(strides) != len(shape) or type(nbytes) is not int or nbytes < 0:

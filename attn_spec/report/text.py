@@ -1,103 +1,16 @@
-"""Conformance reports: results as data, rendered as text, markdown or JSON."""
+"""Reports rendered as text or markdown: the summary table, each failure as a lesson, matrices side by side."""
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from tabulate import tabulate
 
+if TYPE_CHECKING:
+    from attn_spec.report.results import PropertyResult, Report, TargetReport
+
 MAX_SHOWN = 8  # rows and columns of a matrix printed in a report
-
-
-@dataclass
-class PropertyResult:
-    id: str
-    status: str  # "pass" | "fail" | "error" | "skip"
-    message: str = ""
-    statement: str = ""
-    cause: str = ""
-    counterexample: dict | None = None
-    examples: int = 0
-    seconds: float = 0.0
-    blocked_by: str | None = None
-    expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
-    found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
-                "blocked_by": self.blocked_by, "expected": self.expected, "counterexample": self.counterexample,
-                "examples": self.examples, "seconds": round(self.seconds, 4),
-                "found_after_calls": self.found_after_calls}
-
-
-@dataclass
-class TargetReport:
-    target: str
-    convention: str
-    properties: list[PropertyResult] = field(default_factory=list)
-    calls: int = 0
-    conventions: dict = field(default_factory=dict)  # probed behaviours (attn_spec.conventions), key -> value
-    capabilities: dict = field(default_factory=dict)  # attn_spec.capabilities: name -> yes | no | raises | n/a ...
-    lacks: dict = field(default_factory=dict)  # name -> why, for each capability that is not "yes"
-
-    @property
-    def conforms(self) -> bool:
-        return all(p.status in ("pass", "skip") or p.expected for p in self.properties)
-
-    def to_dict(self) -> dict:
-        return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
-                "calls": self.calls, "conventions": dict(self.conventions),
-                "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
-                "properties": [p.to_dict() for p in self.properties]}
-
-
-@dataclass
-class Report:
-    targets: list[TargetReport]
-    kit_version: str
-    profile: str
-    seed: int
-    torch_version: str = torch.__version__
-    devices: list[str] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # e.g. stale lines of an expectations file
-
-    @property
-    def conforms(self) -> bool:
-        return all(t.conforms for t in self.targets)
-
-    def to_dict(self) -> dict:
-        return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
-                "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
-                "conforms": self.conforms, "warnings": list(self.warnings),
-                "targets": [t.to_dict() for t in self.targets]}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        return render(self, markdown=False)
-
-    def to_markdown(self) -> str:
-        return render(self, markdown=True)
-
-    def _repr_markdown_(self) -> str:
-        return self.to_markdown()
-
-    def _repr_html_(self) -> str:
-        """Jupyter's rich display: the self-contained HTML report with heatmaps (attn_spec.html)."""
-        from attn_spec.html import to_html
-        return to_html(self)
-
-
-def tensor_to_data(t, limit: int = 256):
-    """A small tensor as nested lists of floats; a large one as None (the report shows a corner)."""
-    if t is None or not isinstance(t, torch.Tensor) or t.numel() > limit:
-        return None
-    return t.detach().to("cpu", torch.float64).tolist()
-
 
 RED, RESET = "\033[1;31m", "\033[0m"
 _ANSI = re.compile(r"\033\[[0-9;]*m")
@@ -160,10 +73,10 @@ def _short(text: str, limit: int = 100) -> str:
 
 
 def header_lines(t: TargetReport) -> list[str]:
-    """The probed conventions, and the capabilities the target has and lacks (with why)."""
+    """The probed behaviours, and the capabilities the target has and lacks (with why)."""
     lines = []
-    if t.conventions:
-        lines.append("conventions: " + ", ".join(f"{key}={value}" for key, value in t.conventions.items()))
+    if t.behaviours:
+        lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items()))
     if t.capabilities:
         has = [name for name, value in t.capabilities.items() if value == "yes"]
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
@@ -199,6 +112,13 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> 
         snippet = ce["reproduce"]
         lines.append("```python\n" + snippet + "\n```" if markdown else "\n".join(pad * 2 + x for x in snippet.splitlines()))
     return "\n".join(lines)
+
+
+def failure_text(result) -> str:
+    """The lesson for one failed PropertyResult, as the CLI report prints it, plus the target's traceback."""
+    text = failure_section(result, markdown=False)
+    trace = (result.counterexample or {}).get("traceback")
+    return f"{text}\n  traceback of the target:\n{trace}" if trace else text
 
 
 def render(report: Report, *, markdown: bool, colour: bool = False) -> str:

@@ -29,9 +29,9 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.loading import spec_of, user_traceback
-from attn_spec.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
+from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
+from attn_spec.targets.loading import spec_of, user_traceback
+from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
 CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
 FUNCTION_CONVENTIONS = ("function", "sdpa")  # attention on Q, K, V directly
@@ -304,7 +304,6 @@ def detect_convention(obj) -> str:
         return "sdpa"
     if positional_capacity(obj) >= 3 and (names is None or len(names) <= 4 or "mask" in names):
         return "function"
-    from attn_spec.strategies import KitUsageError
     raise KitUsageError(
         f"cannot tell which convention {getattr(obj, '__name__', obj)!r} follows (parameters: {names}). "
         f"Pick one with --convention (convention= in Python): function = attention(Q, K, V, mask=None); "
@@ -317,8 +316,7 @@ def make_target(obj, name: str | None = None, convention: str | None = None) -> 
     name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
     convention = convention or detect_convention(obj)
     if convention not in CONVENTIONS:
-        from attn_spec.strategies import KitUsageError
-        raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
+            raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
     if convention == "function":
         return FunctionTarget(obj, name)
     if convention == "sdpa":

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec.cases import DTYPES
+from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.strategies import KitUsageError
+from attn_spec.errors import KitUsageError
 
 VALUES = {  # the values a user may require; a probe may also report "other" or "raises"
     "fully-masked": ("nan", "zeros", "uniform"),
@@ -101,8 +101,8 @@ def _safely(probe, target, dtype, device) -> str:
         return "other"
 
 
-def probe_conventions(target, dtype: str = "float32", device: str = "cpu") -> dict[str, str]:
-    """The conventions of ``target`` (an adapter), probed on tiny inputs of one dtype and device."""
+def probe_behaviours(target, dtype: str = "float32", device: str = "cpu") -> dict[str, str]:
+    """The behaviours of ``target`` (an adapter), probed on tiny inputs of one dtype and device."""
     torch_dtype = DTYPES[dtype]
     found = {key: _safely(probe, target, torch_dtype, device)
              for key, probe in (("fully-masked", fully_masked), ("mask-polarity", mask_polarity),
@@ -114,7 +114,7 @@ def probe_conventions(target, dtype: str = "float32", device: str = "cpu") -> di
 def parse_requirements(items) -> dict[str, str]:
     """``["fully-masked=zeros", ...]`` -> ``{"fully-masked": "zeros"}``; anything unknown is a usage error.
 
-    Items without ``=`` name capabilities (attn_spec.capabilities) and are left to that module."""
+    Items without ``=`` name capabilities (attn_spec.targets.capabilities) and are left to that module."""
     valid = "; ".join(f"{key}={'|'.join(values)}" for key, values in VALUES.items())
     required = {}
     for item in items or ():
@@ -122,7 +122,7 @@ def parse_requirements(items) -> dict[str, str]:
             continue
         key, _, value = item.partition("=")
         if key not in VALUES or value not in VALUES[key]:
-            problem = f"unknown convention {key!r}" if key not in VALUES else f"unknown value {value!r} for {key}"
+            problem = f"unknown behaviour {key!r}" if key not in VALUES else f"unknown value {value!r} for {key}"
             raise KitUsageError(f"--require {item}: {problem}; valid: {valid}")
         required[key] = value
     return required

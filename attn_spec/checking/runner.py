@@ -1,10 +1,9 @@
-"""Run the catalog against a target with Hypothesis and collect a Report."""
+"""Run properties against a target with Hypothesis and collect its TargetReport."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-import random
 import tempfile
 import time
 import traceback
@@ -16,26 +15,14 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from attn_spec import __version__
-from attn_spec.adapters import Target, make_target
-from attn_spec.cases import DTYPES, available_devices
-from attn_spec.catalog import REGISTRY, Property
-from attn_spec.capabilities import parse_capabilities, probe_capabilities
-from attn_spec.conventions import parse_requirements, probe_conventions
+from attn_spec.targets.conventions import Target
+from attn_spec.checking.cases import DTYPES, available_devices
+from attn_spec.checking.catalog import REGISTRY, Property
+from attn_spec.targets.capabilities import parse_capabilities, probe_capabilities
+from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.report import PropertyResult, Report, TargetReport, format_matrix, tensor_to_data
-from attn_spec.strategies import KitUsageError, checked, get_profile
-
-
-def select(only=None, skip=None) -> list[Property]:
-    """The properties to run, in catalog order; unknown ids are a usage error."""
-    import attn_spec.properties  # noqa: F401 - registers the catalog
-
-    for ids in (only or [], skip or []):
-        unknown = [i for i in ids if i not in REGISTRY]
-        if unknown:
-            raise KitUsageError(f"unknown property id(s): {', '.join(unknown)}; known: {', '.join(REGISTRY)}")
-    return [p for p in REGISTRY.values() if (not only or p.id in only) and p.id not in (skip or [])]
+from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
+from attn_spec.checking.strategies import get_profile
 
 
 def _snippet(prop: Property, case, target_name: str, convention: str, seed: int) -> str:
@@ -153,9 +140,9 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
     results = []
     for key, value in parse_requirements(require).items():
         result = PropertyResult(f"convention:{key}", "pass", statement=f"required: {key}={value}")
-        if report.conventions.get(key) != value:
+        if report.behaviours.get(key) != value:
             result.status = "fail"
-            result.message = f"required {key}={value}, found {key}={report.conventions.get(key, 'not probed')}"
+            result.message = f"required {key}={value}, found {key}={report.behaviours.get(key, 'not probed')}"
         results.append(result)
     for name in parse_capabilities(require):
         result = PropertyResult(f"capability:{name}", "pass", statement=f"required capability: {name}")
@@ -172,9 +159,9 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
 RUN_FIRST = ("matches-reference",)
 
 
-def check_target(target: Target, *, profile="default", seed=0, only=None, skip=None, dtypes=None,
+def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
                  devices=None, progress=None, require=None, exitfirst=False) -> TargetReport:
-    props = select(only, skip)
+    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target."""
     report = TargetReport(target.name, target.convention)
     dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
     results = {}
@@ -189,46 +176,8 @@ def check_target(target: Target, *, profile="default", seed=0, only=None, skip=N
     report.properties = [results[p.id] for p in props]
     mark_blocked(report.properties)
     # The header's probes run last, so that the properties' calls come first (a verdict sooner).
-    report.conventions = probe_conventions(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
+    report.behaviours = probe_behaviours(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
     report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])
     report.properties.extend(_requirements(report, require))
     report.calls = target.calls
     return report
-
-
-def check(*targets, name=None, convention=None, profile="default", seed=None, only=None, skip=None,
-          dtypes=None, devices=None, progress=None, require=None, exitfirst=False) -> Report:
-    """Check attention functions or modules against the catalog; returns a :class:`Report`.
-
-    >>> report = attn_spec.check(my_attention, profile="quick")
-    >>> report.conforms, print(report)
-    """
-    get_profile(profile)
-    parse_requirements(require)  # usage errors before any work
-    parse_capabilities(require)
-    seed = random.randrange(2**32) if seed is None else seed
-    dtypes = checked(dtypes or list(DTYPES), DTYPES, "dtypes")
-    devices = checked(devices or available_devices(), available_devices(), "devices")
-    reports = []
-    for obj in targets:
-        target = obj if isinstance(obj, Target) else make_target(obj, name if len(targets) == 1 else None, convention)
-        reports.append(check_target(target, profile=profile, seed=seed, only=only, skip=skip, dtypes=dtypes,
-                                    devices=devices, progress=progress, require=require, exitfirst=exitfirst))
-    return Report(reports, __version__, profile, seed, devices=devices, dtypes=dtypes)
-
-
-def reproduce(property_id: str, target, case, *, convention=None) -> None:
-    """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold."""
-    from attn_spec.loading import load_target
-
-    prop = select(only=[property_id])[0]
-    obj = load_target(target) if isinstance(target, str) else target
-    adapter = obj if isinstance(obj, Target) else make_target(obj, target if isinstance(target, str) else None,
-                                                               convention)
-    try:
-        prop.fn(adapter, case)
-    except Failure as failure:
-        note = f"likely cause: {failure.cause}" if failure.cause else ""
-        raise Failure(f"{property_id}: {failure.message}\n{note}", cause=failure.cause, got=failure.got,
-                      expected=failure.expected) from None
-    print(f"{property_id} holds on {case.summary()}")

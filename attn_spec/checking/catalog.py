@@ -6,9 +6,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
-from attn_spec import strategies
-from attn_spec.adapters import CONVENTIONS, MULTIHEAD_CONVENTIONS, Target, make_target
-from attn_spec.cases import Case, MhaCase
+from attn_spec.checking import strategies
+from attn_spec.targets.conventions import CONVENTIONS, MULTIHEAD_CONVENTIONS, Target, make_target
+from attn_spec.checking.cases import Case, MhaCase
 
 REGISTRY: dict[str, "Property"] = {}
 

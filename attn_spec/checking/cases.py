@@ -1,0 +1,141 @@
+"""Test cases: small frozen records that materialise into tensors on demand.
+
+A case holds shapes, a dtype, a device and a seed, never tensors, so Hypothesis can shrink
+it, a report can print it, and a reproduction snippet can rebuild it exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from attn_spec.reference import causal_mask
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def available_devices() -> list[str]:
+    """CPU always; CUDA and MPS when this machine has them."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def _values(gen, shape, style, magnitude):
+    if style == "integers":  # small integers: counterexamples stay readable
+        return torch.randint(-2, 3, shape, generator=gen).double() * magnitude
+    return torch.randn(shape, generator=gen, dtype=torch.float64) * magnitude
+
+
+def _random_mask(gen, shape):
+    """Bool mask [..., Tq, Tk] with at least one allowed key per row."""
+    mask = torch.rand(shape, generator=gen) < 0.6  # [..., Tq, Tk]
+    keep = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=gen)  # [..., Tq, 1]
+    return mask.scatter(-1, keep, True)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention input: Q [*batch, n_q, d_k], K [*batch, n_kv, d_k], V [*batch, n_kv, d_v]."""
+
+    batch: tuple[int, ...] = ()
+    n_q: int = 2
+    n_kv: int = 2
+    d_k: int = 2
+    d_v: int = 2
+    dtype: str = "float64"
+    device: str = "cpu"
+    values: str = "integers"  # "integers" (readable) or "normal"
+    magnitude: float = 1.0  # multiplies every entry of Q, K and V
+    mask: str = "none"  # "none", "random" (per batch element) or "causal" (top-left, [n_q, n_kv])
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> "Case":
+        return replace(self, **changes)
+
+    def tensors(self):
+        """(Q, K, V, mask) in the case's dtype and device; mask is bool or None."""
+        gen = torch.Generator().manual_seed(self.seed)
+        b = self.batch
+        q = _values(gen, b + (self.n_q, self.d_k), self.values, self.magnitude)  # [..., Tq, Dk]
+        k = _values(gen, b + (self.n_kv, self.d_k), self.values, self.magnitude)  # [..., Tk, Dk]
+        v = _values(gen, b + (self.n_kv, self.d_v), self.values, self.magnitude)  # [..., Tk, Dv]
+        mask = None
+        if self.mask == "random":
+            mask = _random_mask(gen, b + (self.n_q, self.n_kv))  # [..., Tq, Tk]
+        elif self.mask == "causal":
+            mask = causal_mask(self.n_q, self.n_kv)  # [Tq, Tk]
+        q, k, v = (t.to(self.torch_dtype).to(self.device) for t in (q, k, v))
+        return q, k, v, (None if mask is None else mask.to(self.device))
+
+    def summary(self) -> str:
+        parts = [f"Q {list(self.batch) + [self.n_q, self.d_k]}", f"K {list(self.batch) + [self.n_kv, self.d_k]}",
+                 f"V {list(self.batch) + [self.n_kv, self.d_v]}", self.dtype, self.device]
+        if self.mask != "none":
+            parts.append(f"{self.mask} mask")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class MhaCase:
+    """One multi-head input: x_q [n_q, d_model], x_kv [n_kv, d_model], random W_Q, W_K, W_V, W_O."""
+
+    n_q: int = 2
+    n_kv: int = 2
+    d_model: int = 4
+    n_heads: int = 2
+    dtype: str = "float64"
+    device: str = "cpu"
+    mask: str = "none"  # "none", "random" or "causal"
+    seed: int = 0
+    self_attention: bool = False  # x_kv is x_q (for modules that take one input)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def as_self_attention(self) -> "MhaCase":
+        return replace(self, self_attention=True, n_kv=self.n_q)
+
+    def replace(self, **changes) -> "MhaCase":
+        return replace(self, **changes)
+
+    def tensors(self):
+        """(x_q, x_kv, weights, mask): weights maps W_Q, W_K, W_V, W_O to [D, D] nn.Linear weights."""
+        gen = torch.Generator().manual_seed(self.seed)
+        d = self.d_model
+        x_q = torch.randn(self.n_q, d, generator=gen, dtype=torch.float64)  # [Tq, D]
+        x_kv = torch.randn(self.n_kv, d, generator=gen, dtype=torch.float64)  # [Tk, D]
+        weights = {name: torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5  # [D, D]
+                   for name in ("W_Q", "W_K", "W_V", "W_O")}
+        mask = None
+        if self.mask == "random":
+            mask = _random_mask(gen, (self.n_q, self.n_kv))  # [Tq, Tk]
+        elif self.mask == "causal":
+            mask = causal_mask(self.n_q, self.n_kv)  # [Tq, Tk]
+
+        def cast(t):
+            return t.to(self.torch_dtype).to(self.device)
+
+        weights = {name: cast(w) for name, w in weights.items()}
+        x_q = cast(x_q)
+        x_kv = x_q if self.self_attention else cast(x_kv)
+        return x_q, x_kv, weights, (None if mask is None else mask.to(self.device))
+
+    def summary(self) -> str:
+        kv = "x_kv = x_q" if self.self_attention else f"x_kv [{self.n_kv}, {self.d_model}]"
+        text = f"x_q [{self.n_q}, {self.d_model}], {kv}, {self.n_heads} heads, {self.dtype}, {self.device}"
+        return text + (f", {self.mask} mask" if self.mask != "none" else "")

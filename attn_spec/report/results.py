@@ -1,0 +1,97 @@
+"""Conformance results as data: one PropertyResult per property, one TargetReport per target, one Report per run."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+@dataclass
+class PropertyResult:
+    id: str
+    status: str  # "pass" | "fail" | "error" | "skip"
+    message: str = ""
+    statement: str = ""
+    cause: str = ""
+    counterexample: dict | None = None
+    examples: int = 0
+    seconds: float = 0.0
+    blocked_by: str | None = None
+    expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
+    found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
+                "blocked_by": self.blocked_by, "expected": self.expected, "counterexample": self.counterexample,
+                "examples": self.examples, "seconds": round(self.seconds, 4),
+                "found_after_calls": self.found_after_calls}
+
+
+@dataclass
+class TargetReport:
+    target: str
+    convention: str
+    properties: list[PropertyResult] = field(default_factory=list)
+    calls: int = 0
+    behaviours: dict = field(default_factory=dict)  # probed behaviours (attn_spec.targets.behaviours), key -> value
+    capabilities: dict = field(default_factory=dict)  # attn_spec.targets.capabilities: name -> yes | no | raises | n/a ...
+    lacks: dict = field(default_factory=dict)  # name -> why, for each capability that is not "yes"
+
+    @property
+    def conforms(self) -> bool:
+        return all(p.status in ("pass", "skip") or p.expected for p in self.properties)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
+                "calls": self.calls, "behaviours": dict(self.behaviours),
+                "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
+                "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
+                "properties": [p.to_dict() for p in self.properties]}
+
+
+@dataclass
+class Report:
+    targets: list[TargetReport]
+    kit_version: str
+    profile: str
+    seed: int
+    torch_version: str = torch.__version__
+    devices: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. stale lines of an expectations file
+
+    @property
+    def conforms(self) -> bool:
+        return all(t.conforms for t in self.targets)
+
+    def to_dict(self) -> dict:
+        return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
+                "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
+                "conforms": self.conforms, "warnings": list(self.warnings),
+                "targets": [t.to_dict() for t in self.targets]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        from attn_spec.report.text import render
+        return render(self, markdown=False)
+
+    def to_markdown(self) -> str:
+        from attn_spec.report.text import render
+        return render(self, markdown=True)
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the self-contained HTML report with heatmaps (attn_spec.report.html)."""
+        from attn_spec.report.html import to_html
+        return to_html(self)
+
+
+def tensor_to_data(t, limit: int = 256):
+    """A small tensor as nested lists of floats; a large one as None (the report shows a corner)."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() > limit:
+        return None
+    return t.detach().to("cpu", torch.float64).tolist()
