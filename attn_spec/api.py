@@ -50,7 +50,5 @@ def reproduce(property_id: str, target, case, *, convention=None) -> None:
     try:
         prop.fn(adapter, case)
     except Failure as failure:
-        note = f"likely cause: {failure.cause}" if failure.cause else ""
-        raise Failure(f"{property_id}: {failure.message}\n{note}", cause=failure.cause, got=failure.got,
-                      expected=failure.expected) from None
+        restate(failure, f"{property_id}: ")
     print(f"{property_id} holds on {case.summary()}")

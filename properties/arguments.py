@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 from attn_spec import reference
+from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import prop
-from attn_spec.errors import Failure
 from attn_spec.checking.tolerance import budget, max_error
 
 SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch's tests use
@@ -32,18 +32,18 @@ def scale_argument(target, case):
     got = target.attend(q, k, v, mask, scale=s)  # [..., Tq, Dv]
     expected, _ = reference.attention(q, k, v, mask, scale=s)  # [..., Tq, Dv]
     allowed = budget(q, k, v, mask, expected, scale=s)
-    err = max_error(got, expected)
-    if err > allowed:
+
+    def cause():
         default, _ = reference.attention(q, k, v, mask)
         both, _ = reference.attention(q, k, v, mask, scale=s / math.sqrt(case.d_k))
-        cause = ("the scale argument is ignored (the default 1/sqrt(d_k) is used)"
-                 if max_error(got, default) <= allowed
-                 else "the default 1/sqrt(d_k) is applied on top of the given scale"
-                 if max_error(got, both) <= allowed
-                 else "a negative scale breaks the computation (sqrt(scale) split between Q and K?)"
-                 if s < 0 else "the given scale is not applied to Q K^T as a single factor")
-        raise Failure(f"with scale={s:.4g} the max error is {err:.3g}, budget {allowed:.3g}", cause=cause,
-                      got=got, expected=expected)
+        return ("the scale argument is ignored (the default 1/sqrt(d_k) is used)"
+                if max_error(got, default) <= allowed
+                else "the default 1/sqrt(d_k) is applied on top of the given scale"
+                if max_error(got, both) <= allowed
+                else "a negative scale breaks the computation (sqrt(scale) split between Q and K?)"
+                if s < 0 else "the given scale is not applied to Q K^T as a single factor")
+    assert_close(got, expected, budget=allowed, what=f"the output with scale={s:.4g} against the float64 reference",
+                 call=f"attention(Q, K, V{', mask' if mask is not None else ''}, scale={s:.4g})", cause=cause)
 
 
 @prop("is-causal", family="masking",
@@ -71,5 +71,6 @@ def is_causal(target, case):
     no_mask, _ = reference.attention(q, k, v)
     cause = ("is_causal is ignored" if max_error(got, no_mask) <= allowed
              else "the causal triangle is off by one or misaligned")
-    raise Failure(f"is_causal=True matches neither causal alignment (error {err:.3g}, budget {allowed:.3g})",
-                  cause=cause, got=got, expected=expected)
+    fail(f"max error {err:.3g} (top-left) and {candidates['bottom-right'][0]:.3g} (bottom-right)",
+         what="the output against the reference under either causal alignment", budget=allowed,
+         call="attention(Q, K, V, is_causal=True)", cause=cause, got=got, expected_tensor=expected)

@@ -12,7 +12,8 @@ from attn_spec import reference
 from attn_spec.checking import probes
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import prop
-from attn_spec.checking.diagnose import explain_mismatch
+from attn_spec.checking.assertions import assert_close, fail
+from attn_spec.checking.diagnose import diagnose_mismatch
 from attn_spec.targets.conventions import MULTIHEAD_CONVENTIONS
 from attn_spec.errors import Failure, Unsupported
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
@@ -42,12 +43,12 @@ def rows_sum_to_one(target, case):
         cause = ("weights sum over queries, not keys (softmax over dim -2?)"
                  if case.n_q > 1 and max_error(col_sums, torch.ones_like(col_sums)) <= allowed * case.n_q
                  else "the weights are not normalised by the sum over keys")
-        raise Failure(f"row sums of the weights are {_fmt(sums)}, expected 1 (budget {allowed:.1g})",
-                      cause=cause, got=w, expected=reference.attention(q, k, k, mask)[1])
+        fail(_fmt(sums), what="the row sums of the weights", expected="1", budget=allowed,
+             call="attention(Q, K, V=ones)", cause=cause, got=w, expected_tensor=reference.attention(q, k, k, mask)[1])
     if w.double().min().item() < -allowed:
-        raise Failure(f"a weight is negative ({w.double().min().item():.3g})",
-                      cause="weights are not a softmax (no exp?)", got=w,
-                      expected=reference.attention(q, k, k, mask)[1])
+        fail(f"{w.double().min().item():.3g}", what="the smallest weight", expected="a weight >= 0", budget=allowed,
+             call="attention(Q, K, V=identity)", cause="weights are not a softmax (no exp?)", got=w,
+             expected_tensor=reference.attention(q, k, k, mask)[1])
 
 
 @prop("causal-mask", family="masking",
@@ -73,15 +74,16 @@ def causal_mask(target, case):
                  if w.masked_fill(future, 0.0).abs().max() < 1e-3
                  else "the causal mask is shifted by one (the diagonal is masked)" if diag.abs().max() < 1e-3
                  else "the mask is ignored or applied after the softmax")
-        raise Failure(f"weight {leak.max().item():.3g} above the diagonal: queries see future keys",
-                      cause=cause, got=w, expected=ref_w)
+        fail(f"{leak.max().item():.3g}: queries see future keys", what="the largest weight above the diagonal",
+             expected="0", call="attention(Q, K, V=identity, causal mask)", cause=cause, got=w, expected_tensor=ref_w)
     dropped = (ref_w > 1e-3) & (w == 0)  # an allowed key the target never looks at
     if dropped.any():
         i, j = [int(x) for x in dropped.nonzero()[0][-2:]]
-        raise Failure(f"query {i} gives key {j} zero weight, but j <= i is allowed (reference weight "
-                      f"{ref_w[..., i, j].flatten()[0].item():.3g})",
-                      cause="the causal mask is off by one (triu with diagonal=0 masks the current token?)",
-                      got=w, expected=ref_w)
+        fail("0, but j <= i is allowed", what=f"the weight of query {i} on key {j}",
+             expected=f"the reference weight {ref_w[..., i, j].flatten()[0].item():.3g}",
+             call="attention(Q, K, V=identity, causal mask)",
+             cause="the causal mask is off by one (triu with diagonal=0 masks the current token?)",
+             got=w, expected_tensor=ref_w)
     split = case.n_kv // 2  # keys and values from here on are the future of the first `split` queries
     k2, v2 = k.clone(), v.clone()
     k2[..., split:, :] = -k2[..., split:, :] * 3 + 1
@@ -89,10 +91,10 @@ def causal_mask(target, case):
     rows = min(split, case.n_q)
     before = target.attend(q, k, v, mask)[..., :rows, :]
     after = target.attend(q, k2, v2, mask)[..., :rows, :]
-    if max_error(after, before.double().cpu()) > 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0]):
-        raise Failure(f"changing keys and values at positions >= {split} changed outputs of queries < {split}",
-                      cause="the output reads the future even though the weights look causal", got=after,
-                      expected=before)
+    assert_close(after, before, budget=2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0]),
+                 what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
+                 call="attention(Q, K', V', causal mask)",
+                 cause="the output reads the future even though the weights look causal")
 
 
 @prop("permutation-equivariance", family="symmetry",
@@ -119,15 +121,16 @@ def permutation_equivariance(target, case):
             out = target.multihead(x_q, x_q, weights, case.n_heads, mask)  # [T, D]
             x_p = x_q[p]
             got = target.multihead(x_p, x_p, weights, case.n_heads, None if mask is None else mask[p][:, p])
-            if max_error(got, out[p].double().cpu()) > allowed:
-                raise Failure(f"permuting the tokens by {p.tolist()} did not just permute the output rows",
-                              cause="outputs depend on token positions (heads split without transpose?)",
-                              got=got, expected=out[p])
+            assert_close(got, out[p], budget=allowed,
+                         what=f"the output for the tokens permuted by {p.tolist()} against the permuted output rows",
+                         call="forward(x[p], x[p])",
+                         cause="outputs depend on token positions (heads split without transpose?)")
             return
 
         def run(queries, keys, m):  # the keys' rows carry the values too
             return target.multihead(queries, keys, weights, case.n_heads, m)
         queries, keys = x_q, x_kv
+        name, kv, kv_permuted = "forward", "x_kv", "x_kv[s]"
     else:
         q, k, v, mask = case.tensors()
         allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])
@@ -135,18 +138,19 @@ def permutation_equivariance(target, case):
         def run(queries, keys, m):
             return target.attend(queries, keys[0], keys[1], m)
         queries, keys = q, (k, v)
+        name, kv, kv_permuted = "attention", "K, V", "K[s], V[s]"
     out = run(queries, keys, mask)  # [..., Tq, Dv]
     got = run(queries[..., p, :], keys, None if mask is None else mask[..., p, :])
-    if max_error(got, out[..., p, :].double().cpu()) > allowed:
-        raise Failure(f"permuting the queries by {p.tolist()} did not just permute the output rows",
-                      cause="outputs depend on query positions (heads split without transpose? hard-coded mask?)",
-                      got=got, expected=out[..., p, :])
+    assert_close(got, out[..., p, :], budget=allowed,
+                 what=f"the output for the queries permuted by {p.tolist()} against the permuted output rows",
+                 call=f"{name}(Q[p], {kv})",
+                 cause="outputs depend on query positions (heads split without transpose? hard-coded mask?)")
     shuffled = keys[..., s, :] if isinstance(keys, torch.Tensor) else tuple(t[..., s, :] for t in keys)
     got = run(queries, shuffled, None if mask is None else mask[..., :, s])
-    if max_error(got, out.double().cpu()) > allowed:
-        raise Failure(f"permuting keys and values together by {s.tolist()} changed the output",
-                      cause="outputs depend on key positions (a built-in mask or positional term?)",
-                      got=got, expected=out)
+    assert_close(got, out, budget=allowed,
+                 what=f"the output for keys and values permuted together by {s.tolist()} against the output",
+                 call=f"{name}(Q, {kv_permuted})",
+                 cause="outputs depend on key positions (a built-in mask or positional term?)")
 
 
 _SCALE_EXAMPLES = [MhaCase(n_q=1, n_kv=2, d_model=16, n_heads=2), Case(n_q=1, n_kv=2, d_k=16, d_v=1)]
@@ -176,10 +180,10 @@ def scale_sqrt_dk(target, case):
             name = probes.name_scale(s, d_k, d_model)
             gap = math.sqrt(d_k)  # raw score gap between the probe's two keys
             got, want = torch.sigmoid(torch.tensor(s * gap, dtype=torch.float64)), torch.sigmoid(torch.tensor(1.0))
-            raise Failure(f"the recovered scale is {s:.4g} = {name}, expected {expected:.4g} = 1/sqrt(d_k) "
-                          f"at d_k={d_k} (probe: query e_0, keys 0 and sqrt(d_k) e_0; weights shown)",
-                          cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)",
-                          got=torch.stack([1 - got, got])[None], expected=torch.stack([1 - want, want])[None])
+            fail(f"{s:.4g} = {name}", what="the recovered scale", expected=f"{expected:.4g} = 1/sqrt(d_k) at d_k={d_k}",
+                 budget=f"relative {tol:g}", call="the probe: query e_0, keys 0 and sqrt(d_k) e_0; weights shown",
+                 cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)",
+                 got=torch.stack([1 - got, got])[None], expected_tensor=torch.stack([1 - want, want])[None])
 
 
 @prop("cross-attention-shapes", family="shapes",
@@ -195,9 +199,10 @@ def cross_attention_shapes(target, case):
     q, k, v, mask = case.tensors()
     out = target.attend(q, k, v, mask)  # shape checked by the adapter: [..., Tq, Dv]
     if not torch.isfinite(out).all():
-        raise Failure("the output of a rectangular case has NaN or inf", got=out,
-                      expected=reference.attention(q, k, v, mask)[0],
-                      cause="a square shape (n_q == n_kv or d_v == d_k) is assumed somewhere")
+        fail("NaN or inf", what="the output of a rectangular case", expected="finite values",
+             call=f"attention(Q [{case.n_q}, {case.d_k}], K [{case.n_kv}, {case.d_k}], V [{case.n_kv}, {case.d_v}])",
+             cause="a square shape (n_q == n_kv or d_v == d_k) is assumed somewhere",
+             got=out, expected_tensor=reference.attention(q, k, v, mask)[0])
 
 
 @prop("head-concat-equivalence", family="multi-head",
@@ -219,11 +224,9 @@ def head_concat_equivalence(target, case):
     expected, _ = reference.multihead(x_q, x_kv, *(weights[n] for n in ("W_Q", "W_K", "W_V", "W_O")),
                                       case.n_heads, mask)  # [Tq, D]
     allowed = multihead_budget(x_q, x_kv, weights, case.n_heads, mask, expected)
-    err = max_error(got, expected)
-    if err > allowed:
-        raise Failure(f"output differs from the concatenation of per-head attentions by {err:.3g} "
-                      f"(budget {allowed:.1g})", cause=_explain_heads(got, x_q, x_kv, weights, case, mask, allowed),
-                      got=got, expected=expected)
+    assert_close(got, expected, budget=allowed, what="the output against the concatenation of per-head attentions",
+                 call="forward(x_q, x_kv)" if mask is None else "forward(x_q, x_kv, mask)",
+                 cause=lambda: _diagnose_heads(got, x_q, x_kv, weights, case, mask, allowed))
 
 
 def cross_or_self(target, case: MhaCase) -> MhaCase:
@@ -240,7 +243,7 @@ def cross_or_self(target, case: MhaCase) -> MhaCase:
     return case
 
 
-def _explain_heads(got, x_q, x_kv, weights, case, mask, allowed):
+def _diagnose_heads(got, x_q, x_kv, weights, case, mask, allowed):
     """Which classic multi-head mistake reproduces the target's output?"""
     W = {n: w.to("cpu", torch.float64) for n, w in weights.items()}
     x_q, x_kv = x_q.to("cpu", torch.float64), x_kv.to("cpu", torch.float64)
@@ -296,11 +299,9 @@ def matches_reference(target, case):
     got = target.attend(q, k, v, mask)  # [..., Tq, Dv]
     expected, _ = reference.attention(q, k, v, mask)  # [..., Tq, Dv]
     allowed = budget(q, k, v, mask, expected)
-    err = max_error(got, expected)
-    if err > allowed:
-        raise Failure(f"max error {err:.3g} against the float64 reference, budget {allowed:.3g}",
-                      cause=explain_mismatch(got.detach().cpu().double(), q, k, v, mask, allowed),
-                      got=got, expected=expected)
+    assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
+                 call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
+                 cause=lambda: diagnose_mismatch(got.detach().cpu().double(), q, k, v, mask, allowed))
 
 
 def _fmt(t):

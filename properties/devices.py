@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from attn_spec import reference
+from attn_spec.checking.assertions import assert_close
 from attn_spec.checking.cases import Case, available_devices
 from attn_spec.checking.catalog import prop
-from attn_spec.errors import Failure, Unsupported
-from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.errors import Unsupported
+from attn_spec.checking.tolerance import budget
 
 
 @prop("devices-agree", family="devices",
@@ -29,8 +30,6 @@ def devices_agree(target, case):
     on_cpu = target.attend(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu())
     allowed = 2 * budget(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(),
                          reference.attention(q, k, v, mask)[0])
-    err = max_error(on_device, on_cpu.double())
-    if err > allowed:
-        raise Failure(f"output on {case.device} differs from the CPU output by {err:.3g} (budget {allowed:.3g})",
-                      cause=f"the {case.device} code path computes a different function than the CPU one",
-                      got=on_device, expected=on_cpu)
+    assert_close(on_device, on_cpu, budget=allowed, what=f"the output on {case.device} against the CPU output",
+                 call=f"attention(Q, K, V{', mask' if mask is not None else ''}) on {case.device} and on the CPU",
+                 cause=f"the {case.device} code path computes a different function than the CPU one")

@@ -10,13 +10,14 @@ import math
 
 import torch
 
+from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import prop
-from attn_spec.errors import Failure
 from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads
 from attn_spec.checking.tolerance import max_error
 
 FD_DIRECTIONS, FD_EPS, FD_ATOL, FD_RTOL = 3, 1e-6, 1e-5, 1e-3  # finite differences, as torch.autograd.gradcheck
+VJP = "the backward of attention(Q, K, V, mask) with upstream gradient G"
 
 
 @prop("gradients", family="gradients",
@@ -46,21 +47,20 @@ def gradients(target, case):
     bad = [i for i, g in enumerate(grads) if not torch.isfinite(g).all()]
     if bad:
         names = " and ".join(NAMES[i] for i in bad)
-        raise Failure(f"{names} {'contain' if len(bad) > 1 else 'contains'} NaN or inf; the reference gradients "
-                      f"are finite",
-                      cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
-                            f"does not mask (0 * NaN), or divides by a zero sum",
-                      got=grads[bad[0]], expected=expected[bad[0]])
+        fail("NaN or inf", what=names, expected="finite values, as the reference gradients are", call=VJP,
+             cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
+                   f"does not mask (0 * NaN), or divides by a zero sum",
+             got=grads[bad[0]], expected_tensor=expected[bad[0]])
     if case.mask == "causal" and case.n_kv > 1:
         _no_gradient_from_the_future(target, case, grad_out, allowed)
     errors = [max_error(g, e) for g, e in zip(grads, expected)]
     wrong = [i for i in range(3) if errors[i] > allowed[i]]
     if wrong:
         i = wrong[0]
-        raise Failure(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'} from "
-                      f"the float64 reference: max error of {NAMES[i]} {errors[i]:.3g}, budget {allowed[i]:.3g}",
-                      cause=_explain(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
-                      got=grads[i], expected=expected[i])
+        fail(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'}; max error of "
+             f"{NAMES[i]} {errors[i]:.3g}", what="the gradients against the float64 reference", budget=allowed[i],
+             call=VJP, cause=_diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
+             got=grads[i], expected_tensor=expected[i])
     if case.dtype == "float64":
         _finite_differences(target, case, grad_out, grads)
 
@@ -83,13 +83,14 @@ def _no_gradient_from_the_future(target, case, grad_out, allowed):
     leak_k, leak_v = (t[..., s:, :].abs().max().item() for t in (dk, dv))
     if leak_k > allowed[1] or leak_v > allowed[2]:
         leaked = (dk if leak_k > allowed[1] else dv)[..., s:, :]  # the rows of the future keys
-        raise Failure(f"with a gradient on queries < {s} only, keys >= {s} (their future) get |dK| up to "
-                      f"{leak_k:.3g} and |dV| up to {leak_v:.3g}; expected 0",
-                      cause="the backward ignores the causal mask (weights recomputed without it?)",
-                      got=leaked, expected=torch.zeros_like(leaked))
+        fail(f"|dK| up to {leak_k:.3g} and |dV| up to {leak_v:.3g}", expected="0",
+             what=f"the gradients of keys >= {s} (the future of queries < {s}) with a gradient on queries < {s} only",
+             budget=allowed[1] if leak_k > allowed[1] else allowed[2], call=VJP + " zero on queries >= " + str(s),
+             cause="the backward ignores the causal mask (weights recomputed without it?)",
+             got=leaked, expected_tensor=torch.zeros_like(leaked))
 
 
-def _explain(grads, wrong, allowed, q, k, v, mask, grad_out, expected):
+def _diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected):
     """The likely bug, from which gradients are off and which classic mistake reproduces them."""
     zero = [NAMES[i] for i in wrong if not grads[i].any()]
     if zero:
@@ -123,9 +124,11 @@ def _finite_differences(target, case, grad_out, grads):
         minus = target.attend(*(t - FD_EPS * d for t, d in zip((q, k, v), u)), mask)  # [..., Tq, Dv]
         numeric = ((plus - minus) * grad_out).sum().item() / (2 * FD_EPS)
         analytic = sum((g * d).sum().item() for g, d in zip(grads, u))
-        if abs(numeric - analytic) > FD_ATOL + FD_RTOL * abs(analytic):
-            raise Failure(f"finite differences: along a random direction u, the forward changes by <G, J u> = "
-                          f"{numeric:.6g}, but the target's own backward gives <J^T G, u> = {analytic:.6g}",
-                          cause="the backward is not the derivative of the forward: finite differences of the "
-                                "output disagree with the target's own gradients (a custom autograd.Function "
-                                "whose backward does not match its forward?)")
+        allowed = FD_ATOL + FD_RTOL * abs(analytic)
+        if not abs(numeric - analytic) <= allowed:
+            fail(f"<G, J u> = {numeric:.6g} from the forward, <J^T G, u> = {analytic:.6g} from the target's own "
+                 f"backward", what="finite differences along a random direction u", expected="equal values",
+                 budget=allowed, call="attention(Q ± eps u, K ± eps u, V ± eps u, mask) and " + VJP,
+                 cause="the backward is not the derivative of the forward: finite differences of the "
+                       "output disagree with the target's own gradients (a custom autograd.Function "
+                       "whose backward does not match its forward?)")

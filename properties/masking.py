@@ -11,10 +11,11 @@ import torch
 
 from attn_spec import reference
 from attn_spec.checking import probes
+from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import prop
-from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.checking.tolerance import budget, max_error
 
 F64 = torch.float64
@@ -86,9 +87,9 @@ def mask_semantics(target, case):
     leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
     if (leak != 0).any():
         worst = leak.abs().nan_to_num(math.inf).max().item()
-        raise Failure(f"masked keys get weight up to {worst:.3g}, expected exactly 0",
-                      cause=_leak_cause(w, allowed, q, k, mask), got=w,
-                      expected=reference.attention(q, k, k, mask)[1])
+        fail(f"{worst:.3g}", what="the largest weight on a masked key", expected="exactly 0",
+             call="attention(Q, K, V=identity, mask)", cause=_leak_cause(w, allowed, q, k, mask), got=w,
+             expected_tensor=reference.attention(q, k, k, mask)[1])
     _check_masked_inputs_unused(target, q, k, v, mask)
     _check_float_mask(target, case, q, k, v, mask)
 
@@ -103,19 +104,19 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
     base = target.attend(qs, ks, vs, ms)  # [..., R, 1, Dv]
     allowed = 2 * budget(qs, ks, vs, ms, reference.attention(qs, ks, vs, ms)[0])
     moved = target.attend(qs, loud_k, loud_v, ms)
-    if max_error(moved, base.double().cpu()) <= allowed:
+    if max_error(moved, base) <= allowed:
         return
     moved_k = target.attend(qs, loud_k, vs, ms)  # which of the two reaches the output?
-    if max_error(moved_k, base.double().cpu()) > allowed:
-        cause = ("masked keys' large scores still enter the softmax, so the allowed weights underflow to 0/0 "
-                 "(mask applied after the softmax, then renormalised?)" if not torch.isfinite(moved_k).all() else
-                 "masked keys still count: the mask is applied after the softmax, or as a finite additive "
-                 "bias that large scores overwhelm (fill with -inf or finfo.min)")
-        raise Failure(f"moving K at masked positions (scores up to about {limit:.3g}) changed the output "
-                      f"of the queries they are masked for", cause=cause, got=moved_k, expected=base)
-    raise Failure(f"adding {limit:.3g} to V at masked positions changed the output",
-                  cause="values at masked positions reach the output: their weight is not exactly 0",
-                  got=moved, expected=base)
+    cause = ("masked keys' large scores still enter the softmax, so the allowed weights underflow to 0/0 "
+             "(mask applied after the softmax, then renormalised?)" if not torch.isfinite(moved_k).all() else
+             "masked keys still count: the mask is applied after the softmax, or as a finite additive "
+             "bias that large scores overwhelm (fill with -inf or finfo.min)")
+    assert_close(moved_k, base, budget=allowed, call="attention(Q, K', V, mask), one query per batch element",
+                 what=f"the output after moving K at masked positions (scores up to about {limit:.3g}), "
+                      f"for the queries they are masked for", cause=cause)
+    assert_close(moved, base, budget=allowed, call="attention(Q, K', V', mask), one query per batch element",
+                 what=f"the output after adding {limit:.3g} to V at masked positions",
+                 cause="values at masked positions reach the output: their weight is not exactly 0")
 
 
 def _check_float_mask(target, case, q, k, v, mask):
@@ -128,12 +129,11 @@ def _check_float_mask(target, case, q, k, v, mask):
     out = target.attend(q, k, v, mask)
     expected = reference.attention(q, k, v, mask)[0]
     allowed = budget(q, k, v, mask, expected)
-    if max_error(got, out.double().cpu()) > 2 * allowed:
-        cause = ("the float mask is read as a keep-mask (positions equal to 0 are masked)"
+    assert_close(got, out, budget=2 * allowed, what="the output with a float mask of 0 / -inf against the output "
+                 "with the equivalent bool mask", call="attention(Q, K, V, float_mask)",
+                 cause=lambda: "the float mask is read as a keep-mask (positions equal to 0 are masked)"
                  if max_error(got, reference.attention(q, k, v, ~mask)[0]) < 1e-3 else
                  "a float mask is not added to the scores as a bias")
-        raise Failure("a float mask of 0 / -inf gives a different output than the equivalent bool mask",
-                      cause=cause, got=got, expected=out)
     if max_error(out, expected) > allowed:
         return  # the plain output is already off: matches-reference reports that, not this property
     gen = torch.Generator().manual_seed(case.seed)
@@ -142,13 +142,14 @@ def _check_float_mask(target, case, q, k, v, mask):
     got = target.attend(q, k, v, biased)
     expected = reference.attention(q, k, v, biased)[0]
     allowed = budget(q, k, v, biased, expected)
-    if max_error(got, expected) > allowed:
+
+    def cause():
         scaled = reference.attention(q, k, v, biased / math.sqrt(case.d_k))[0]
-        cause = ("the float mask is scaled with the scores ((QK^T + mask) / sqrt(d_k)); add it after scaling"
-                 if max_error(got, scaled) <= max(allowed, 1e-3) else
-                 "a finite float mask is not added to the scaled scores as a bias")
-        raise Failure(f"a float mask with finite values gives error {max_error(got, expected):.3g} "
-                      f"(budget {allowed:.3g})", cause=cause, got=got, expected=expected)
+        return ("the float mask is scaled with the scores ((QK^T + mask) / sqrt(d_k)); add it after scaling"
+                if max_error(got, scaled) <= max(allowed, 1e-3) else
+                "a finite float mask is not added to the scaled scores as a bias")
+    assert_close(got, expected, budget=allowed, what="the output with a finite float mask against the float64 "
+                 "reference", call="attention(Q, K, V, float_mask)", cause=cause)
 
 
 def _flat_batch(t, batch):
@@ -182,11 +183,11 @@ def batch_independence(target, case):
     allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])
     for index in itertools.product(*map(range, case.batch)):
         alone = target.attend(q[index], k[index], v[index], mask if mask is None or mask.dim() == 2 else mask[index])
-        if max_error(alone, out[index].double().cpu()) > allowed:
-            raise Failure(f"batch element {list(index)} computed alone differs from its slice of the batched output",
-                          cause="batch elements are mixed (a reshape or view that interleaves the batch with the "
-                                "sequence dim, e.g. batch-first read as sequence-first?)",
-                          got=out[index], expected=alone)
+        assert_close(out[index], alone, budget=allowed,
+                     what=f"batch element {list(index)} of the batched output against the element computed alone",
+                     call=f"attention(Q[{', '.join(map(str, index))}], ...)",
+                     cause="batch elements are mixed (a reshape or view that interleaves the batch with the "
+                           "sequence dim, e.g. batch-first read as sequence-first?)")
     _check_no_leak(target, case, q, k, v, mask, out, allowed)
     _check_broadcast(target, q, k, v, mask)
 
@@ -204,12 +205,12 @@ def _check_no_leak(target, case, q, k, v, mask, out, allowed):
     loud[first] = (q0 * gain).to(q.dtype)
     got = _flat_batch(target.attend(loud, k, v, mask), case.batch)[1:]  # [B - 1, Tq, Dv]
     before = _flat_batch(out, case.batch)[1:]
-    if max_error(got, before.double().cpu()) > allowed:
-        cause = ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
-                 "underflow the others to 0/0" if not torch.isfinite(got).all() else
-                 "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
-        raise Failure(f"scaling the queries of batch element 0 by {gain:.3g} changed the outputs of other elements",
-                      cause=cause, got=got, expected=before)
+    cause = ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
+             "underflow the others to 0/0" if not torch.isfinite(got).all() else
+             "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
+    assert_close(got, before, budget=allowed, call="attention(Q', K, V), Q' = Q with element 0 scaled",
+                 what=f"the outputs of the other batch elements after scaling the queries of element 0 by {gain:.3g}",
+                 cause=cause)
 
 
 def _check_broadcast(target, q, k, v, mask):
@@ -229,6 +230,6 @@ def _check_broadcast(target, q, k, v, mask):
         exc.cause = "broadcast (stride-0) inputs are rejected: a .view() on an expanded tensor? (use .reshape())"
         raise
     allowed = 2 * budget(q, k_b, v_b, m_b, reference.attention(q, k_b, v_b, m_b)[0])
-    if max_error(got, expected.double().cpu()) > allowed:
-        raise Failure("K, V and mask expanded with stride 0 give a different output than contiguous copies",
-                      cause="broadcast (stride-0) inputs are read as if contiguous", got=got, expected=expected)
+    assert_close(got, expected, budget=allowed, call="attention(Q, K.expand(...), V.expand(...), mask.expand(...))",
+                 what="the output with K, V and mask expanded with stride 0 against their contiguous copies",
+                 cause="broadcast (stride-0) inputs are read as if contiguous")

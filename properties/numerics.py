@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from attn_spec import reference
+from attn_spec.checking.assertions import assert_close, assert_within
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import prop
-from attn_spec.errors import Failure
 from attn_spec.properties.masking import push_limit
 from attn_spec.checking.tolerance import budget, max_error
 
@@ -56,24 +56,24 @@ def value_linearity(target, case):
     ref1 = ref[..., :case.d_v]  # [..., Tq, Dv]
     allowed = (abs(a) + abs(b) + 1) * one + max_error(v3, exact)
     combined = a * out1.double().cpu() + b * out2.double().cpu()
-    if max_error(out3, combined) > allowed:
+
+    def cause():
         doubled = target.attend(q, k, (2 * v1.double()).to(v1), mask)
-        cause = ("the output does not scale with V: V is normalised or divided by its max before the weighted sum"
-                 if max_error(doubled, out1.double().cpu()) <= allowed and max_error(doubled, 2 * ref1) > allowed
-                 else "V passes through a nonlinearity (an activation or normalisation) before the weighted sum")
-        raise Failure(f"attn(Q, K, {a:g} V1 {b:+g} V2) differs from {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2) "
-                      f"by {max_error(out3, combined):.3g} (budget {allowed:.3g})", cause=cause, got=out3,
-                      expected=combined)
+        return ("the output does not scale with V: V is normalised or divided by its max before the weighted sum"
+                if max_error(doubled, out1) <= allowed and max_error(doubled, 2 * ref1) > allowed
+                else "V passes through a nonlinearity (an activation or normalisation) before the weighted sum")
+    assert_close(out3, combined, budget=allowed, call=f"attention(Q, K, {a:g} V1 {b:+g} V2)",
+                 what=f"attn(Q, K, {a:g} V1 {b:+g} V2) against {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2)", cause=cause)
     vals = v1.double().cpu().unsqueeze(-3)  # [..., 1, Tk, Dv]
     keys = torch.tensor(True) if mask is None else mask.cpu().unsqueeze(-1)  # [..., Tq, Tk, 1] allowed keys
     lo = torch.where(keys, vals, math.inf).amin(dim=-2)  # [..., Tq, Dv]
     hi = torch.where(keys, vals, -math.inf).amax(dim=-2)  # [..., Tq, Dv]
     got = out1.double().cpu()
     outside = torch.maximum(lo - got, got - hi).nan_to_num(math.inf).max().item()
-    if outside > one:
-        raise Failure(f"an output lies {outside:.3g} outside the range of the allowed values (budget {one:.3g})",
-                      cause="the output is not a convex combination of the value rows (negative weights, or "
-                            "weights that do not sum to 1?)", got=got, expected=ref1)
+    assert_within(outside, one, what="how far an output lies outside the range of the allowed values",
+                  call="attention(Q, K, V1)", got=got, expected_tensor=ref1,
+                  cause="the output is not a convex combination of the value rows (negative weights, or "
+                        "weights that do not sum to 1?)")
 
 
 def _not_shift_invariant(q, k, v, mask):
@@ -120,11 +120,9 @@ def key_shift_invariance(target, case):
     ref, ref_shifted = reference.attention(q, k, v, mask)[0], reference.attention(q, shifted, v, mask)[0]
     allowed = budget(q, k, v, mask, ref) + budget(q, shifted, v, mask, ref_shifted) + max_error(ref_shifted, ref)
     before, after = target.attend(q, k, v, mask), target.attend(q, shifted, v, mask)  # [..., Tq, Dv]
-    err = max_error(after, before.double().cpu())
-    if err > allowed:
-        raise Failure(f"adding {size:.3g} * {direction.tolist()} to every key changed the output by {err:.3g} "
-                      f"(budget {allowed:.3g})", cause=_shift_cause(before, after, q, k, shifted, v, mask, allowed),
-                      got=after, expected=before)
+    assert_close(after, before, budget=allowed, call="attention(Q, K + c, V)",
+                 what=f"the output after adding c = {size:.3g} * {direction.tolist()} to every key",
+                 cause=lambda: _shift_cause(before, after, q, k, shifted, v, mask, allowed))
 
 
 def _shift_cause(before, after, q, k, shifted, v, mask, allowed) -> str:
@@ -191,12 +189,13 @@ def numerical_stability(target, case):
     got = target.attend(loud, k, v, mask)  # [..., Tq, Dv]
     expected = reference.attention(loud, k, v, mask)[0]
     allowed = budget(loud, k, v, mask, expected)
-    err = max_error(got, expected)
-    if err > allowed:
+
+    def cause():
         bad = ~torch.isfinite(got).all(dim=-1)  # [..., Tq] rows with NaN or inf
-        cause = next((d for d, out in _unstable_softmaxes(loud, k, v, mask)
-                      if bad.any() and torch.equal(~torch.isfinite(out).all(dim=-1), bad)),
-                     "large scores are clipped or lose precision (a clamp on the scores, or a narrower type inside?)"
-                     if not bad.any() else "NaN or inf in rows with large scores")
-        raise Failure(f"with scores up to {beyond_exp(q.dtype):.3g} in some rows, error {err:.3g} against the "
-                      f"float64 reference (budget {allowed:.3g})", cause=cause, got=got, expected=expected)
+        return next((d for d, out in _unstable_softmaxes(loud, k, v, mask)
+                     if bad.any() and torch.equal(~torch.isfinite(out).all(dim=-1), bad)),
+                    "large scores are clipped or lose precision (a clamp on the scores, or a narrower type inside?)"
+                    if not bad.any() else "NaN or inf in rows with large scores")
+    assert_close(got, expected, budget=allowed, call="attention(Q', K, V), Q' = Q with some rows scaled",
+                 what=f"the output with scores up to {beyond_exp(q.dtype):.3g} in some rows against the float64 "
+                      f"reference", cause=cause)

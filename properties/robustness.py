@@ -10,10 +10,11 @@ import math
 import torch
 
 from attn_spec import reference
+from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import prop
-from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.properties.core import cross_or_self
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 
@@ -24,6 +25,13 @@ def _output(target, case):
         x_q, x_kv, weights, mask = case.tensors()
         return target.multihead(x_q, x_kv, weights, case.n_heads, mask)  # [Tq, D]
     return target.attend(*case.tensors())  # [..., Tq, Dv]
+
+
+def _call_name(case) -> str:
+    """The call :func:`_output` makes, as the user would write it."""
+    if isinstance(case, MhaCase):
+        return "forward(x_q, x_kv, mask)" if case.mask != "none" else "forward(x_q, x_kv)"
+    return "attention(Q, K, V, mask)" if case.mask != "none" else "attention(Q, K, V)"
 
 
 def _identical(a, b) -> bool:
@@ -54,11 +62,11 @@ def determinism(target, case):
     second = _output(target, case)
     if not _identical(first, second):
         differ = (first != second).sum().item()
-        raise Failure(f"the same inputs gave different outputs on two calls ({differ} of {first.numel()} entries "
-                      f"differ)", got=second, expected=first,
-                      cause="the output changes from call to call: randomness at inference (dropout left on: "
-                            "F.dropout defaults to training=True; added noise) or state kept between calls "
-                            "(a KV cache left on, a reused buffer)")
+        fail(f"{differ} of {first.numel()} entries differ", what="the outputs of two calls on the same inputs",
+             expected="bitwise identical outputs", call=_call_name(case) + ", twice", got=second, expected_tensor=first,
+             cause="the output changes from call to call: randomness at inference (dropout left on: "
+                   "F.dropout defaults to training=True; added noise) or state kept between calls "
+                   "(a KV cache left on, a reused buffer)")
 
 
 @prop("inputs-unchanged", family="robustness",
@@ -88,11 +96,11 @@ def inputs_unchanged(target, case):
         if new is None:
             continue
         if new.shape != old.shape:
-            raise Failure(f"{name} has shape {list(new.shape)} after the call, {list(old.shape)} before",
-                          cause=f"{name} is transposed or reshaped in place (transpose_, t_, resize_?)")
+            fail(f"{list(new.shape)}", what=f"the shape of {name} after the call", expected=f"{list(old.shape)} as before",
+                 call=_call_name(case), cause=f"{name} is transposed or reshaped in place (transpose_, t_, resize_?)")
         if not _identical(new, old):
-            raise Failure(f"{name} was modified in place by the call", cause=_in_place_cause(name, new, old),
-                          got=new, expected=old)
+            fail("modified in place", what=f"{name} after the call", expected=f"{name} bitwise unchanged",
+                 call=_call_name(case), cause=_in_place_cause(name, new, old), got=new, expected_tensor=old)
 
 
 def _in_place_cause(name, new, old) -> str:
@@ -127,14 +135,15 @@ def dtype_device(target, case):
     out = _output(target, case)
     want_dtype, want_device = case.torch_dtype, torch.device(case.device)
     if out.device.type != want_device.type:
-        raise Failure(f"the output is on {out.device} for inputs on {case.device}",
-                      cause="a tensor is created without device= (torch.zeros(shape) lands on the CPU)")
+        fail(f"{out.device}", what="the output's device", expected=f"{case.device}, the inputs' device",
+             call=_call_name(case), cause="a tensor is created without device= (torch.zeros(shape) lands on the CPU)")
     if out.dtype != want_dtype:
         name = str(out.dtype).replace("torch.", "")
         cause = (f"a buffer is created without dtype= (torch.zeros(shape) is {name}, the default dtype), "
                  f"or an upcast for the softmax is never cast back" if out.dtype == torch.get_default_dtype()
                  else f"the result is computed in {name} and never cast back to {case.dtype}")
-        raise Failure(f"the output is {name} for {case.dtype} inputs", cause=cause)
+        fail(name, what="the output's dtype", expected=f"{case.dtype}, the inputs' dtype", call=_call_name(case),
+             cause=cause)
 
 
 def _column_major(t):
@@ -221,14 +230,12 @@ def _same_output(run, layout, strided, expected, limit):
         exc.message = f"on {layout} inputs, {exc.message}"
         exc.cause = "the code assumes contiguous inputs: .view() on a non-contiguous tensor (use .reshape())?"
         raise
-    err = max_error(got, expected.double().cpu())
-    if err > limit:
-        cause = ("the code reads outside the view: it ignores the strides or the storage offset (NaN from "
-                 "the buffer around the slice)" if not torch.isfinite(got).all()
-                 else "the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
-                      "or a kernel computing i * D + j)")
-        raise Failure(f"{layout} inputs give a different output than contiguous copies of them: max "
-                      f"difference {err:.3g}, budget {limit:.3g}", cause=cause, got=got, expected=expected)
+    cause = ("the code reads outside the view: it ignores the strides or the storage offset (NaN from "
+             "the buffer around the slice)" if not torch.isfinite(got).all()
+             else "the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
+                  "or a kernel computing i * D + j)")
+    assert_close(got, expected, budget=limit, what=f"the output on {layout} inputs against contiguous copies of them",
+                 call=f"the target on {layout} inputs", cause=cause)
 
 
 LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) give 520 keys, thorough's 2048
@@ -254,12 +261,10 @@ def long_sequences(target, case):
     q, k, v, mask = _long_inputs(case)  # the kit's own copies: the target may write into its inputs
     expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
     allowed = budget(q, k, v, mask, expected)
-    err = max_error(got, expected)
-    if err > allowed:
-        raise Failure(f"with {case.n_q} queries over {k.shape[-2]} keys (d_k={case.d_k}, d_v={case.d_v}, "
-                      f"{case.dtype}) the max error is {err:.3g}, budget {allowed:.3g}",
-                      cause=_explain_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed),
-                      got=got, expected=expected)
+    assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
+                 call=f"attention(Q [{case.n_q}, {case.d_k}], K [{k.shape[-2]}, {case.d_k}], V [{k.shape[-2]}, "
+                      f"{case.d_v}]{', causal mask' if case.mask == 'causal' else ''}), {case.dtype}",
+                 cause=lambda: _diagnose_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed))
 
 
 def _long_inputs(case):
@@ -271,7 +276,7 @@ def _long_inputs(case):
     return q, k, v, mask
 
 
-def _explain_long(got, q, k, v, mask, expected, allowed) -> str:
+def _diagnose_long(got, q, k, v, mask, expected, allowed) -> str:
     """Which long-sequence mistake reproduces the output: overflow, dropped keys, ignored dims?"""
     if not torch.isfinite(got).all():
         return "the output overflows to NaN or inf on long rows (float16 sums beyond 65504? exp without max?)"
@@ -322,14 +327,12 @@ def gqa_equivalence(target, case):
     repeated = [t.repeat_interleave(group, dim=-3) for t in (k, v)]  # [..., Hq, Tk, D]
     expected, _ = reference.attention(q, *repeated, mask)
     allowed = budget(q, *repeated, mask, expected)
-    err = max_error(got, expected)
-    if err > allowed:
-        raise Failure(f"with {n_heads} query heads over {n_kv_heads} KV heads the max error is {err:.3g}, "
-                      f"budget {allowed:.3g}", cause=_explain_gqa(got, q, k, v, mask, group, allowed),
-                      got=got, expected=expected)
+    assert_close(got, expected, budget=allowed, what="the output against the float64 reference on K/V heads repeated "
+                 "with repeat_interleave", call=f"attention(Q [{n_heads} heads], K [{n_kv_heads} heads], V [{n_kv_heads} "
+                 f"heads])", cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, allowed))
 
 
-def _explain_gqa(got, q, k, v, mask, group, allowed) -> str:
+def _diagnose_gqa(got, q, k, v, mask, group, allowed) -> str:
     """Which wrong head mapping reproduces the output?"""
     tiled = [t.repeat(*[1] * (t.dim() - 3), group, 1, 1) for t in (k, v)]  # heads [h0, h1, h0, h1]
     if max_error(got, reference.attention(q, *tiled, mask)[0]) <= allowed:

@@ -39,7 +39,7 @@ def mistakes(q, k, v, mask):
                 _softmax_attention(q, k, v, ~mask, scale=s)
 
 
-def explain_mismatch(got, q, k, v, mask, budget: float) -> str:
+def diagnose_mismatch(got, q, k, v, mask, budget: float) -> str:
     """One sentence naming the mistake that reproduces ``got``, or '' if none does."""
     if not torch.isfinite(got).all():
         return "the output has NaN or inf where the reference is finite"

@@ -29,7 +29,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
+from attn_spec.checking.assertions import fail
+from attn_spec.errors import KitUsageError, TargetRaised, Unsupported
 from attn_spec.targets.loading import spec_of, user_traceback
 from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
@@ -55,11 +56,11 @@ def _call(fn, args, call: str):
 def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     """The output must be a tensor of the contract's shape."""
     if not isinstance(out, torch.Tensor):
-        raise Failure(f"{call} returned a {type(out).__name__}, expected a torch.Tensor of shape {list(shape)}",
-                      cause="the function must return the output tensor (only the output, not a tuple)")
+        fail(f"a {type(out).__name__}", what="the output", expected=f"a torch.Tensor of shape {list(shape)}",
+             call=call, cause="the function must return the output tensor (only the output, not a tuple)")
     if tuple(out.shape) != tuple(shape):
-        raise Failure(f"{call} returned shape {list(out.shape)}, expected {list(shape)}",
-                      cause="the output must be [..., n_q, d_v]: one row per query, as wide as V")
+        fail(f"{list(out.shape)}", what="the output's shape", expected=f"{list(shape)}", call=call,
+             cause="the output must be [..., n_q, d_v]: one row per query, as wide as V")
     return out
 
 
@@ -219,9 +220,10 @@ class ModuleTarget(Target):
             with torch.no_grad():
                 self.adapter.load(module, *(weights[name] for name in PROJECTIONS))
         except (AttributeError, RuntimeError) as exc:
-            raise Failure(f"cannot load projection weights into {self.name}({d_model}, {n_heads}): {exc}",
-                          cause=f"the {self.convention} convention needs W_Q, W_K, W_V, W_O as "
-                                f"nn.Linear(d_model, d_model) (or an adapter that says where they are)") from None
+            fail(f"{type(exc).__name__}: {exc}", what="loading W_Q, W_K, W_V, W_O into the module",
+                 call=f"{self.name}({d_model}, {n_heads})",
+                 cause=f"the {self.convention} convention needs W_Q, W_K, W_V, W_O as "
+                       f"nn.Linear(d_model, d_model) (or an adapter that says where they are)")
         return module
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):

@@ -17,8 +17,9 @@ import warnings
 
 import torch
 
+from attn_spec.checking.assertions import fail
 from attn_spec.targets.conventions import Target, attend_shape, check_output
-from attn_spec.errors import Failure, IsolationError, TargetRaised, Unsupported
+from attn_spec.errors import IsolationError, TargetRaised, Unsupported
 from attn_spec.grading.isolation import wire, zygote
 from attn_spec.grading.isolation.wire import BROKEN
 
@@ -263,14 +264,14 @@ class RemoteTarget(Target):
         message = str(reply.get("message", ""))[:4000]
         if error == "bad-output":
             self.bad_output = True
-            raise Failure(message, cause=BAD_OUTPUT_CAUSE)
+            fail(message, cause=BAD_OUTPUT_CAUSE)  # worded by the child
         if error == "memory":
             self.child._stop("memory-limit", f"{call} ran out of memory ({str(reply.get('type'))[:80]}"
                                              f"{': ' + message[:300] if message else ''})")
         if error == "unsupported":
             raise Unsupported(message, total=bool(reply.get("total")))
         if error == "failure":
-            raise Failure(message, cause=str(reply.get("cause", ""))[:1000])
+            fail(message, cause=str(reply.get("cause", ""))[:1000])  # the child's Failure, worded by its assertions
         if error == "raised":
             raise TargetRaised(_remote_exception(reply.get("type"), message), call, str(reply.get("traceback", ""))[-8000:])
         self.child._stop("bad-output", f"its reply to {call} has an unknown error kind")
@@ -322,6 +323,6 @@ class RemoteTarget(Target):
         check_output(out, attend_shape(q, k, v), call)
         for grad, t, name in zip(grads, (q, k, v), "QKV"):
             if grad.shape != t.shape:
-                raise Failure(f"{call}: the gradient for {name} has shape {list(grad.shape)}, expected {list(t.shape)}",
-                              cause="the gradients did not come back in the shapes of the inputs")
+                fail(f"{list(grad.shape)}", what=f"the shape of the gradient for {name}", expected=f"{list(t.shape)}",
+                     call=call, cause="the gradients did not come back in the shapes of the inputs")
         return (out, *grads)

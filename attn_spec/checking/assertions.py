@@ -1,0 +1,89 @@
+"""The one place a property failure is raised, in one message grammar.
+
+    <what>: <measured>[, expected <expected>][, budget <budget>][ (call: <call>)]
+
+- ``what``: the quantity measured, a noun phrase ("the output against the float64 reference");
+- ``measured``: its value on this case ("max error 0.161");
+- ``expected``: what a correct attention gives, when that is not simply "within the budget";
+- ``budget``: how far the measured value may go, earned by measurement (``checking.tolerance``);
+- ``call``: the call of the target that produced the measured value, written as the user would.
+
+The likely bug (``cause``, one sentence) and the tensors shown side by side (``got`` and
+``expected_tensor``) travel on the :class:`attn_spec.errors.Failure`. A ``cause`` may be a
+function: a diagnosis that costs calls is then made only when the assertion fails.
+
+    >>> assert_close(out, ref, budget=1e-6, what="the output against the float64 reference",
+    ...              call="attention(Q, K, V)", cause="the scale is wrong")
+    Failure: the output against the float64 reference: max error 0.161, budget 1e-06 (call: attention(Q, K, V))
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NoReturn, Union
+
+import torch
+
+from attn_spec.checking.tolerance import max_error
+from attn_spec.errors import Failure
+
+Cause = Union[str, Callable[[], str]]
+
+
+def number(x) -> str:
+    """A measured number as the grammar prints it: 3 significant digits."""
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
+def message(measured: str, *, what: str = "", expected: str = "", budget=None, call: str = "") -> str:
+    """The failure message in the grammar above; empty parts are left out."""
+    text = f"{what}: {measured}" if what else measured
+    if expected:
+        text += f", expected {expected}"
+    if budget is not None:
+        text += f", budget {number(budget)}"
+    return f"{text} (call: {call})" if call else text
+
+
+def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call: str = "", cause: Cause = "",
+         got=None, expected_tensor=None) -> NoReturn:
+    """Raise the Failure: the property does not hold on this case."""
+    raise Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
+                  cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor)
+
+
+def _check_budget(budget: float, what: str) -> None:
+    if math.isnan(budget) or budget < 0:  # a NaN budget would pass everything: a bug of the kit, never a pass
+        raise ValueError(f"attn-spec computed an invalid budget ({budget}) for {what}")
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor, *, budget: float, what: str, call: str = "",
+                 cause: Cause = "", shown=None) -> float:
+    """max |got - expected| <= budget; NaN or inf anywhere is an infinite error, which fails. Returns the error.
+
+    ``shown``: the (got, expected) tensors to print when they are not the two compared.
+    """
+    _check_budget(budget, what)
+    err = max_error(got, expected)
+    if err <= budget and math.isfinite(err):  # NaN or inf on either side never passes, whatever the budget
+        return err
+    measured = f"max error {number(err)}"
+    if math.isinf(err):
+        side = "the result has" if not torch.isfinite(got.detach()).all() else "the expected values have"
+        measured += f" ({side} NaN or inf)"
+    shown_got, shown_expected = shown if shown is not None else (got, expected)
+    fail(measured, what=what, budget=budget, call=call, cause=cause, got=shown_got, expected_tensor=shown_expected)
+
+
+def assert_within(value: float, limit: float, *, what: str, call: str = "", cause: Cause = "", got=None,
+                  expected_tensor=None) -> None:
+    """value <= limit (a NaN value fails): a measured deviation within its budget."""
+    _check_budget(limit, what)
+    if not value <= limit:
+        fail(number(value), what=what, budget=limit, call=call, cause=cause, got=got, expected_tensor=expected_tensor)
+
+
+def restate(failure: Failure, prefix: str) -> NoReturn:
+    """Raise ``failure`` again with ``prefix`` and its cause in the message (a reproduction prints it whole)."""
+    note = f"\nlikely cause: {failure.cause}" if failure.cause else ""
+    raise Failure(f"{prefix}{failure.message}{note}", cause=failure.cause, got=failure.got,
+                  expected=failure.expected) from None
