@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.runner import check_target
 from attn_spec.checking.strategies import checked, get_profile

@@ -3,8 +3,9 @@
 Sections, in order: the statement in math (unicode for a terminal, LaTeX for markdown), why it
 holds and matters, what breaks it, a worked example with numbers computed now by
 ``attn_spec.reference``, how the kit checks it on a black box, and (for five properties) the
-sympy derivation from ``attn_spec.properties.derivations``. The math, "Why:" and "Catches:"
-come from the property's docstring; the rest from ``attn_spec.properties.explanations``.
+sympy derivation registered beside it with ``@derivation``. The math, "Why:" and "Catches:"
+come from the property's docstring, the rest from its :class:`~attn_spec.checking.catalog.Lesson`:
+both live beside the check, in the property's family module under ``properties/``.
 """
 from __future__ import annotations
 
@@ -32,19 +33,18 @@ def _doc_parts(doc: str) -> tuple[str, str, str]:
     return tuple(part[:1].upper() + part[1:] for part in parts)
 
 
-def explanation(property_id: str) -> dict:
+def lesson_sections(property_id: str) -> dict:
     """The sections of one property's lesson as plain data; KeyError for an unknown id."""
     import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.checking.catalog import REGISTRY
-    from attn_spec.properties.explanations import EXPLANATIONS
+    from attn_spec.checking.catalog import REGISTRY, Lesson
 
-    prop, extra = REGISTRY[property_id], EXPLANATIONS.get(property_id, {})
+    prop = REGISTRY[property_id]
+    lesson = prop.lesson or Lesson(unicode="", latex="", check="", example="")
     math_text, why, catches = _doc_parts(prop.doc)
-    example = EXAMPLES.get(extra.get("example", ""))
+    example = EXAMPLES.get(lesson.example)
     return {"id": prop.id, "family": prop.family, "title": prop.statement, "conventions": list(prop.conventions),
-            "unicode": extra.get("unicode", ""), "latex": extra.get("latex", ""), "math": math_text,
-            "why": why or extra.get("why", ""), "breaks": catches, "check": extra.get("check", ""),
-            "example": example() if example else ""}
+            "unicode": lesson.unicode, "latex": lesson.latex, "math": math_text, "why": why or lesson.why,
+            "breaks": catches, "check": lesson.check, "example": example() if example else ""}
 
 
 def _pretty(expr, markdown: bool) -> str:
@@ -59,7 +59,8 @@ def _pretty(expr, markdown: bool) -> str:
 @functools.lru_cache(maxsize=None)
 def derivation_steps(property_id: str) -> tuple:
     """The steps of the property's sympy derivation (run once per process), or () if it has none."""
-    from attn_spec.properties.derivations import DERIVATIONS
+    import attn_spec.properties  # noqa: F401 - registers the catalog and its derivations
+    from attn_spec.checking.catalog import DERIVATIONS
 
     return tuple(DERIVATIONS[property_id]()) if property_id in DERIVATIONS else ()
 
@@ -75,7 +76,7 @@ def derivation_text(property_id: str, markdown: bool = False) -> str:
 
 def render(property_id: str, fmt: str = "text") -> str:
     """The whole lesson as terminal text (``fmt="text"``) or markdown with LaTeX (``fmt="markdown"``)."""
-    e, md = explanation(property_id), fmt == "markdown"
+    e, md = lesson_sections(property_id), fmt == "markdown"
     sections = dict(e)
     sections["statement"] = (f"$$\n{e['latex']}\n$$\n\n{e['math']}" if md else f"{e['unicode']}\n\n{e['math']}")
     derivation = derivation_text(property_id, md)

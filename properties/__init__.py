@@ -1,7 +1,11 @@
 """The catalog of executable attention properties (installed as ``attn_spec.properties``).
 
+One module per family of properties; each property is one place: its check, its docstring (math,
+why, what breaks it), its lesson for ``attn-spec explain`` and, for five of them, a sympy derivation.
+
 Each property is one function ``fn(target, case)`` that returns when the property holds and
-raises :class:`attn_spec.errors.Failure` with a diagnosis when it does not. ``target`` is an
+raises :class:`attn_spec.errors.Failure` with a diagnosis when it does not (through
+:mod:`attn_spec.checking.assertions`). ``target`` is an
 adapter from :mod:`attn_spec.targets.conventions` or your own function or module (wrapped with
 ``make_target``); ``case`` a :class:`attn_spec.checking.cases.Case`.
 
@@ -27,9 +31,9 @@ from attn_spec.report.text import failure_text
 from attn_spec.targets.conventions import Target, make_target
 
 # Import order is catalog order: the basic, decisive properties first.
-from attn_spec.properties.core import (causal_mask, cross_attention_shapes, head_concat_equivalence,  # noqa: I001
-                                       matches_reference, permutation_equivariance, rows_sum_to_one,
+from attn_spec.properties.core import (causal_mask, permutation_equivariance, rows_sum_to_one,  # noqa: I001
                                        scale_sqrt_dk)
+from attn_spec.properties.output import cross_attention_shapes, head_concat_equivalence, matches_reference
 from attn_spec.properties.masking import batch_independence, mask_semantics
 from attn_spec.properties.numerics import key_shift_invariance, numerical_stability, value_linearity
 from attn_spec.properties.robustness import (determinism, dtype_device, gqa_equivalence, inputs_unchanged,

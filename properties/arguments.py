@@ -9,7 +9,7 @@ import math
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import prop
+from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget, max_error
 
 SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch's tests use
@@ -18,7 +18,11 @@ SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch
 @prop("scale-argument", family="scale",
       statement="an explicit scale s gives softmax(s * Q K^T) V, for any float s including negative ones",
       cases={"masks": ("none", "random")}, after=("matches-reference",),
-      examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, seed=1), Case(n_q=2, n_kv=2, d_k=2, d_v=2, seed=2)])
+      examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, seed=1), Case(n_q=2, n_kv=2, d_k=2, d_v=2, seed=2)],
+      lesson=Lesson(unicode="attn(Q, K, V, scale=s) = softmax(s · Q Kᵀ) V",
+                    latex=r"\mathrm{attn}(Q,K,V,\mathrm{scale}=s) = \mathrm{softmax}(s\,QK^\top)\,V",
+                    check="Passes explicit scales (including negative ones) and compares with the reference at that scale.",
+                    example="scale-arg"))
 def scale_argument(target, case):
     """attn(Q, K, V, scale=s) = softmax(s Q K^T) V; the default 1/sqrt(d_k) applies only when s is None.
 
@@ -49,7 +53,14 @@ def scale_argument(target, case):
 @prop("is-causal", family="masking",
       statement="is_causal=True equals a causal mask (top-left or bottom-right aligned, reported when n_q != n_kv)",
       cases={"masks": ("none",)}, after=("causal-mask", "matches-reference"),
-      examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2), Case(n_q=2, n_kv=4, d_k=2, d_v=1, seed=1)])
+      examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2), Case(n_q=2, n_kv=4, d_k=2, d_v=1, seed=1)],
+      lesson=Lesson(unicode="attn(Q, K, V, is_causal=True) = attn(Q, K, V, mask = [j ≤ i + offset])",
+                    latex=r"\mathrm{attn}(Q,K,V,\mathrm{is\_causal}) = \mathrm{attn}(Q,K,V,\mathrm{mask}=[j \le i + \mathrm{offset}])",
+                    why="A flag is how fused kernels are told to be causal without a mask tensor; if it is ignored or "
+                        "built for square shapes only, a decoder silently sees the future.",
+                    check="Calls the target with is_causal=True and compares with an explicit top-left and bottom-right "
+                          "causal mask; which one matches is reported as a convention.",
+                    example="causal"))
 def is_causal(target, case):
     """attn(Q, K, V, is_causal=True) = attn(Q, K, V, mask = [j <= i + offset]).
 

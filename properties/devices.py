@@ -4,7 +4,7 @@ from __future__ import annotations
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_close
 from attn_spec.checking.cases import Case, available_devices
-from attn_spec.checking.catalog import prop
+from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import Unsupported
 from attn_spec.checking.tolerance import budget
 
@@ -12,7 +12,11 @@ from attn_spec.checking.tolerance import budget
 @prop("devices-agree", family="devices",
       statement="outputs on every available device agree with the CPU output within the error budget",
       after=("matches-reference",), examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="cuda"),
-                                              Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="mps")])
+                                              Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="mps")],
+      lesson=Lesson(unicode="|attn_dev(Q, K, V) − attn_cpu(Q, K, V)| ≤ 2 · budget",
+                    latex=r"\left|\mathrm{attn}_{\mathrm{dev}}(Q,K,V) - \mathrm{attn}_{\mathrm{cpu}}(Q,K,V)\right| \le 2\,\mathrm{budget}",
+                    check="Draws inputs on each non-CPU device, copies them to the CPU, and compares the two outputs.",
+                    example="output"))
 def devices_agree(target, case):
     """|attn_dev(Q, K, V) - attn_cpu(Q, K, V)| <= 2 * budget, for inputs drawn on a non-CPU device.
 

@@ -10,9 +10,10 @@ import math
 
 import torch
 
+from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import prop
+from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads
 from attn_spec.checking.tolerance import max_error
 
@@ -26,7 +27,14 @@ VJP = "the backward of attention(Q, K, V, mask) with upstream gradient G"
       cases={"batch": False}, after=("determinism", "inputs-unchanged", "causal-mask", "matches-reference"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal", seed=1),
                 Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal", values="normal", seed=2),
-                Case(batch=(2,), n_q=3, n_kv=5, d_k=3, d_v=2, dtype="float32", mask="random", seed=3)])
+                Case(batch=(2,), n_q=3, n_kv=5, d_k=3, d_v=2, dtype="float32", mask="random", seed=3)],
+      lesson=Lesson(unicode="∂A/∂s = diag(a) − a aᵀ,   dV = Aᵀ G,   dS = A ⊙ (G Vᵀ − rowsum(A ⊙ G Vᵀ)),   dQ = dS K/√d_k",
+                    latex=r"\frac{\partial a}{\partial s} = \mathrm{diag}(a) - a a^\top,\quad dV = A^\top G,\quad "
+                          r"dS = A \odot (G V^\top - \mathrm{rowsum}(A \odot G V^\top)),\quad dQ = \frac{dS\,K}{\sqrt{d_k}}",
+                    check="Asks the target for a vector-Jacobian product (target.vjp) with a random G and compares dQ, dK, "
+                          "dV with the closed form; in float64 also with finite differences of its own forward along random "
+                          "directions; no gradient may reach future keys under a causal mask.",
+                    example="gradients"))
 def gradients(target, case):
     """d<attn(Q, K, V), G>/dQ, dK, dV equal the closed form of the reference, within a calibrated budget.
 
@@ -132,3 +140,34 @@ def _finite_differences(target, case, grad_out, grads):
                  cause="the backward is not the derivative of the forward: finite differences of the "
                        "output disagree with the target's own gradients (a custom autograd.Function "
                        "whose backward does not match its forward?)")
+
+
+@derivation("gradients")
+def derive_gradients():
+    """The Jacobian of a = softmax(s) is diag(a) - a a^T."""
+    import sympy as sp
+
+    from attn_spec.symbolic import agreement, canonical_scale, require, softmax_row
+
+    s = sp.symbols("s1:4", real=True)
+    a = softmax_row(s)  # [1, 3]
+    J = a.jacobian(s)  # [3, 3]
+    closed = sp.diag(*a) - a.T * a
+    # The reference's weights as a function of the scores: K = I / scale makes scores = q exactly.
+    d, point = 3, [sp.Rational(1, 2), sp.Rational(-1, 3), sp.Rational(3, 4)]
+    K = float(1 / canonical_scale(d)) * torch.eye(d, dtype=torch.float64)  # [Tk=3, Dk=3]
+    h, cols = 1e-6, []
+    for j in range(d):
+        e = torch.zeros(1, d, dtype=torch.float64)
+        e[0, j] = h
+        q = torch.tensor([[float(x) for x in point]], dtype=torch.float64)
+        plus, minus = reference.attention(q + e, K, K)[1], reference.attention(q - e, K, K)[1]
+        cols.append(((plus - minus) / (2 * h))[0])  # d a / d s_j
+    fd = torch.stack(cols, dim=1)  # [3, 3]: J[i, j] = d a_i / d s_j
+    err = agreement(closed.subs(dict(zip(s, point))), fd, "softmax Jacobian", tol=1e-8)
+    require(sp.simplify(J - closed) == sp.zeros(3, 3), "d softmax / ds != diag(a) - a a^T")
+    return [("a = softmax(s)", a),
+            ("d a_i / d s_j, differentiated by sympy", sp.simplify(J)),
+            ("J - (diag(a) - a a^T) simplifies to zero", sp.simplify(J - closed)),
+            (f"finite differences of the kit's reference agree (max |difference| {float(err):.1g})",
+             closed.subs(dict(zip(s, point))).evalf(6))]

@@ -14,7 +14,7 @@ from attn_spec.checking import probes
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import prop
+from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.checking.tolerance import budget, max_error
 
@@ -65,7 +65,12 @@ def _leak_cause(w, allowed, q, k, mask) -> str:
       cases={"masks": ("random", "causal"), "min_n_kv": 2}, after=("rows-sum-to-one", "scale-sqrt-dk"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, mask="causal"),
                 Case(n_q=3, n_kv=4, d_k=4, d_v=2, dtype="float32", mask="random", seed=3),
-                Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", mask="causal")])
+                Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", mask="causal")],
+      lesson=Lesson(unicode="Aᵢⱼ = 0 where maskᵢⱼ = False,   outᵢ = Σ_{j allowed} Aᵢⱼ Vⱼ",
+                    latex=r"A_{ij} = 0 \ \text{where}\ \mathrm{mask}_{ij} = \mathrm{False},\qquad \mathrm{out}_i = \sum_{j\ \mathrm{allowed}} A_{ij} V_j",
+                    check="Reads the weights under a random mask, moves K and V at masked positions to huge values and "
+                          "checks the output does not move, and compares a bool mask with the additive 0/−∞ mask.",
+                    example="mask"))
 def mask_semantics(target, case):
     """A[i, j] = 0 exactly where mask[i, j] is False, and out[i] = sum over allowed j of A[i, j] V[j].
 
@@ -161,7 +166,12 @@ def _flat_batch(t, batch):
                 "equals the per-example outputs, and broadcast (stride-0) K/V or masks work",
       conventions=FUNCTION_CONVENTIONS, cases={"batch": True}, after=("rows-sum-to-one",),
       examples=[Case(batch=(2,), n_q=2, n_kv=3, d_k=2, d_v=2, seed=5),
-                Case(batch=(2, 2), n_q=2, n_kv=2, d_k=2, d_v=1, mask="random", seed=6)])
+                Case(batch=(2, 2), n_q=2, n_kv=2, d_k=2, d_v=1, mask="random", seed=6)],
+      lesson=Lesson(unicode="out[b] = attn(Q[b], K[b], V[b], mask[b])   for every batch index b",
+                    latex=r"\mathrm{out}[b] = \mathrm{attn}(Q[b], K[b], V[b], \mathrm{mask}[b])\quad \forall b",
+                    check="Runs each batch element alone and compares with its slice of the batched output; makes element 0 "
+                          "huge and checks the others do not move; broadcasts K/V/mask with expand.",
+                    example="batch"))
 def batch_independence(target, case):
     """out[b] = attn(Q[b], K[b], V[b], mask[b]) for every index b of the leading dims.
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, assert_within
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import prop
+from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.properties.masking import push_limit
 from attn_spec.checking.tolerance import budget, max_error
 
@@ -33,7 +33,12 @@ def _second_values(case, like):
       statement="the output is linear in V and each output row lies in the convex hull of the rows of V",
       after=("rows-sum-to-one",),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, seed=1),
-                Case(batch=(2,), n_q=3, n_kv=3, d_k=2, d_v=3, values="normal", magnitude=3.0, mask="random", seed=2)])
+                Case(batch=(2,), n_q=3, n_kv=3, d_k=2, d_v=3, values="normal", magnitude=3.0, mask="random", seed=2)],
+      lesson=Lesson(unicode="attn(Q, K, aV₁ + bV₂) = a·attn(Q, K, V₁) + b·attn(Q, K, V₂),   minⱼ Vⱼ ≤ outᵢ ≤ maxⱼ Vⱼ",
+                    latex=r"\mathrm{attn}(Q,K,aV_1+bV_2) = a\,\mathrm{attn}(Q,K,V_1) + b\,\mathrm{attn}(Q,K,V_2),\quad \min_j V_j \le \mathrm{out}_i \le \max_j V_j",
+                    check="Calls the target with V₁, V₂ and a·V₁ + b·V₂ and compares; checks each output lies between the "
+                          "smallest and largest allowed value.",
+                    example="linearity"))
 def value_linearity(target, case):
     """attn(Q, K, a V1 + b V2) = a attn(Q, K, V1) + b attn(Q, K, V2), and
     min_j V[j, c] <= out[i, c] <= max_j V[j, c] over the keys j that query i may attend.
@@ -99,7 +104,11 @@ def _not_shift_invariant(q, k, v, mask):
       statement="adding the same vector to every key leaves the output unchanged (softmax shift invariance)",
       after=("rows-sum-to-one", "scale-sqrt-dk"), cases={"min_n_kv": 2},
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, seed=1),
-                Case(n_q=3, n_kv=2, d_k=3, d_v=1, dtype="float32", mask="random", seed=2)])
+                Case(n_q=3, n_kv=2, d_k=3, d_v=1, dtype="float32", mask="random", seed=2)],
+      lesson=Lesson(unicode="attn(Q, K + 𝟙cᵀ, V) = attn(Q, K, V),   softmax(s + t·𝟙) = softmax(s)",
+                    latex=r"\mathrm{attn}(Q, K + \mathbf{1}c^\top, V) = \mathrm{attn}(Q, K, V),\qquad \mathrm{softmax}(s + t\mathbf{1}) = \mathrm{softmax}(s)",
+                    check="Adds the same vector c to every key and compares the outputs within the budget.",
+                    example="shift"))
 def key_shift_invariance(target, case):
     """attn(Q, K + 1 c^T, V) = attn(Q, K, V) for any vector c.
 
@@ -140,6 +149,33 @@ def _shift_cause(before, after, q, k, shifted, v, mask, allowed) -> str:
     return "the weights are not a softmax of the scores (a shift of every score in a row changes them)"
 
 
+@derivation("key-shift-invariance")
+def derive_key_shift_invariance():
+    """Adding c to every key adds the same t = scale * q.c to each score of a row; softmax ignores it."""
+    import sympy as sp
+
+    from attn_spec.symbolic import reference_weights_agree, require, softmax_row, symbolic_attention
+
+    q, K, V = sp.Matrix([sp.symbols("q1:3", real=True)]), sp.Matrix(2, 2, sp.symbols("k1:3(1:3)", real=True)), \
+        sp.Matrix(2, 1, sp.symbols("v1:3", real=True))
+    c = sp.Matrix([sp.symbols("c1:3", real=True)])
+    tie = reference_weights_agree()
+    shifted = K + sp.ones(K.rows, 1) * c  # k_j + c for every key j
+    _, A, S = symbolic_attention(q, K, V)
+    _, A2, S2 = symbolic_attention(q, shifted, V)
+    moves = sp.expand(S2 - S)  # [1, Tk]
+    require(all(sp.expand(x - moves[0]) == 0 for x in moves), "keys shifted by c move the scores unequally")
+    s, t = sp.symbols("s1:4", real=True), sp.Symbol("t", real=True)
+    diff = sp.simplify(softmax_row([x + t for x in s]) - softmax_row(s))
+    require(diff == sp.zeros(1, 3), "softmax(s + t) != softmax(s)")
+    require(sp.simplify(A2 - A) == sp.zeros(*A.shape), "the weights change when keys are shifted")
+    return [("keys shifted by the same vector c: scores move by", moves),
+            ("the same t for every key of the row: exp(s_j + t) = e^t exp(s_j), and e^t cancels",
+             diff),
+            ("so the weights of the shifted keys equal the original ones", sp.simplify(A2 - A)),
+            tie]
+
+
 def _unstable_softmaxes(q, k, v, mask):
     """(description, output) for the classic unstable softmaxes, in the inputs' dtype."""
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
@@ -163,7 +199,12 @@ def beyond_exp(dtype: torch.dtype) -> float:
       after=("rows-sum-to-one", "scale-sqrt-dk", "causal-mask", "mask-semantics", "matches-reference"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float32", seed=0),
                 Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", seed=1),
-                Case(n_q=3, n_kv=2, d_k=2, d_v=1, seed=2)])
+                Case(n_q=3, n_kv=2, d_k=2, d_v=1, seed=2)],
+      lesson=Lesson(unicode="softmax(s)ⱼ = exp(sⱼ − maxₖ sₖ) / Σₗ exp(sₗ − maxₖ sₖ)   finite for |s| ≫ log(finfo.max)",
+                    latex=r"\mathrm{softmax}(s)_j = \frac{e^{s_j - \max_k s_k}}{\sum_l e^{s_l - \max_k s_k}}\ \text{finite for}\ |s| \gg \log(\mathrm{finfo.max})",
+                    check="Scales some query rows so their largest score is far beyond exp's range in the dtype and compares "
+                          "with the float64 reference, which subtracts the row max.",
+                    example="stability"))
 def numerical_stability(target, case):
     """With even query rows scaled (or negated) so that their largest allowed score is
     +4 log(finfo.max) (44 in float16, 355 in float32, 2839 in float64) and odd rows left as

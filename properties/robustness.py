@@ -13,7 +13,7 @@ from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import Case, MhaCase
-from attn_spec.checking.catalog import prop
+from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.properties.core import cross_or_self
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
@@ -46,7 +46,12 @@ def _identical(a, b) -> bool:
       statement="the same inputs give bitwise identical outputs; no dropout or randomness at inference",
       cases={"batch": False}, multihead="module",
       examples=[Case(n_q=8, n_kv=8, d_k=4, d_v=4, values="normal", seed=1),
-                MhaCase(n_q=6, n_kv=6, d_model=8, n_heads=2, seed=1)])
+                MhaCase(n_q=6, n_kv=6, d_model=8, n_heads=2, seed=1)],
+      lesson=Lesson(unicode="attn(X) ≡ attn(X)   bitwise, across calls",
+                    latex=r"\mathrm{attn}(X) \equiv \mathrm{attn}(X)\ \text{(bitwise)}",
+                    why="Inference must be reproducible for evaluation, caching and debugging.",
+                    check="Calls the target twice on the same inputs, with a call on other inputs in between, and compares bitwise.",
+                    example="output"))
 def determinism(target, case):
     """attn(X) == attn(X) bitwise, for two calls with a call on other inputs in between.
 
@@ -73,7 +78,11 @@ def determinism(target, case):
       statement="the target does not modify Q, K, V or the mask in place",
       cases={"batch": False}, multihead="module",
       examples=[Case(n_q=3, n_kv=3, d_k=4, d_v=2, mask="causal", values="normal", seed=1),
-                MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2, mask="causal", seed=1)])
+                MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2, mask="causal", seed=1)],
+      lesson=Lesson(unicode="Q, K, V, mask after the call ≡ before the call",
+                    latex=r"(Q, K, V, \mathrm{mask})_{\text{after}} \equiv (Q, K, V, \mathrm{mask})_{\text{before}}",
+                    check="Keeps copies of every input and compares them bitwise with the inputs after the call.",
+                    example="output"))
 def inputs_unchanged(target, case):
     """Q, K, V and mask (x_q, x_kv and mask for a module) are bitwise the same after the call.
 
@@ -120,7 +129,11 @@ def _in_place_cause(name, new, old) -> str:
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16"), Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float64"),
                 Case(n_q=2, n_kv=2, d_k=2, d_v=2, dtype="bfloat16", device="cuda"),
                 MhaCase(n_q=2, n_kv=2, d_model=4, n_heads=2, dtype="float16"),
-                MhaCase(n_q=2, n_kv=2, d_model=4, n_heads=2, dtype="float64")])
+                MhaCase(n_q=2, n_kv=2, d_model=4, n_heads=2, dtype="float64")],
+      lesson=Lesson(unicode="attn(Q, K, V).dtype = Q.dtype,   attn(Q, K, V).device = Q.device",
+                    latex=r"\mathrm{attn}(Q,K,V).\mathrm{dtype} = Q.\mathrm{dtype},\quad \mathrm{attn}(Q,K,V).\mathrm{device} = Q.\mathrm{device}",
+                    check="Draws cases in every dtype and device and compares the output's dtype and device with the inputs'.",
+                    example="dtype"))
 def dtype_device(target, case):
     """attn(Q, K, V).dtype == Q.dtype and attn(Q, K, V).device == Q.device (x_q's for a module).
 
@@ -180,7 +193,12 @@ def _two_heads_sharing_kv(q, k, v, mask):
       statement="transposed, sliced and expanded inputs give the same result as contiguous copies",
       multihead="module", after=("determinism", "inputs-unchanged", "matches-reference"),
       examples=[Case(batch=(2,), n_q=3, n_kv=4, d_k=3, d_v=2, mask="random", values="normal", seed=1),
-                MhaCase(n_q=3, n_kv=4, d_model=4, n_heads=2, mask="random", seed=1)])
+                MhaCase(n_q=3, n_kv=4, d_model=4, n_heads=2, mask="random", seed=1)],
+      lesson=Lesson(unicode="attn(strided X) = attn(X.contiguous())",
+                    latex=r"\mathrm{attn}(\text{strided } X) = \mathrm{attn}(X.\mathrm{contiguous}())",
+                    check="Builds the same values as a transpose, a slice of a NaN-filled buffer and a stride-0 expand, and "
+                          "compares with the contiguous call.",
+                    example="strided"))
 def non_contiguous(target, case):
     """attn(strided X) == attn(X.contiguous()) within the budget, for three layouts of the same values.
 
@@ -247,7 +265,11 @@ LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) g
       cases={"batch": False}, after=("determinism", "matches-reference", "numerical-stability"),
       examples=[Case(n_q=4, n_kv=520, d_k=16, d_v=8, dtype="float16", values="normal", magnitude=1.75),
                 Case(n_q=8, n_kv=160, d_k=256, d_v=256, dtype="float32", values="normal", seed=1),
-                Case(n_q=64, n_kv=160, d_k=64, d_v=32, dtype="float32", mask="causal", values="normal", seed=2)])
+                Case(n_q=64, n_kv=160, d_k=64, d_v=32, dtype="float32", mask="causal", values="normal", seed=2)],
+      lesson=Lesson(unicode="|attn(Q, K, V) − ref₆₄| ≤ budget   for n_kv in the hundreds or thousands, d_k ≤ 256",
+                    latex=r"\left|\mathrm{attn}(Q,K,V) - \mathrm{ref}_{64}\right| \le \mathrm{budget}\ \text{for large}\ n_{kv},\ d_k \le 256",
+                    check="Draws four times as many keys as usual (and wide heads) and compares with the reference.",
+                    example="output"))
 def long_sequences(target, case):
     """attn(Q, K, V) matches the reference with n_kv = 4 * (drawn n_kv) keys and the drawn d_k (up to 256).
 
@@ -306,7 +328,12 @@ GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV he
                 "heads repeated (query head h reads KV head h // g)",
       conventions=FUNCTION_CONVENTIONS, after=("matches-reference", "batch-independence"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal"),
-                Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)])
+                Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)],
+      lesson=Lesson(unicode="attn(Q[g·H_kv heads], K[H_kv], V[H_kv]) = attn(Q, K′, V′),   K′ = repeat_interleave(K, g)",
+                    latex=r"\mathrm{attn}(Q_{[gH_{kv}]}, K_{[H_{kv}]}, V_{[H_{kv}]}) = \mathrm{attn}(Q, K', V'),\quad K' = \mathrm{repeat\_interleave}(K, g)",
+                    check="Calls the target with fewer K/V heads than query heads and compares with the call on K/V "
+                          "repeated with repeat_interleave; a target that refuses unequal head counts is skipped.",
+                    example="gqa"))
 def gqa_equivalence(target, case):
     """attn(Q [..., g*Hkv, Tq, Dk], K [..., Hkv, Tk, Dk], V) = attn(Q, K', V'), K' = K.repeat_interleave(g, dim=-3).
 

@@ -30,3 +30,19 @@ def test_adapter_example_is_the_shipped_file():
     shipped = (ROOT / "examples" / "hf_vit_adapter.py").read_text(encoding="utf-8")
     code = shipped[shipped.index("import torch"):].strip()
     assert code in README, "README's ModuleAdapter example differs from examples/hf_vit_adapter.py"
+
+
+def _layout_rows():
+    table = README.split("## Repository layout", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    return {m.group(1).rstrip("/"): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \| (.*) \|$", table, flags=re.M)}
+
+
+def test_layout_table_lists_every_folder_of_the_tree():
+    rows = _layout_rows()
+    assert all((ROOT / path).is_dir() for path in rows), f"the layout table lists missing folders: {rows}"
+    ignored = {".git", ".venv", "venv", ".tox", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist"}
+    folders = {str(d.relative_to(ROOT)) for d in ROOT.rglob("*") if d.is_dir()
+               and not any(part in ignored or part.endswith(".egg-info") for part in d.relative_to(ROOT).parts)}
+    for folder in sorted(folders):  # listed, or named in the row of a listed folder above it
+        above = [str(p) for p in Path(folder).parents if str(p) in rows]
+        assert folder in rows or any(Path(folder).name in rows[a] for a in above), f"add {folder}/ to the layout table"

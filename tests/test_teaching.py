@@ -14,12 +14,10 @@ import pytest
 
 import attn_spec
 import attn_spec.properties  # noqa: F401 - registers the catalog
-from attn_spec import lessons as explain, reference
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec import lessons, reference, symbolic
+from attn_spec.checking.catalog import DERIVATIONS, REGISTRY
 from attn_spec.cli import main
 from attn_spec.report.html import to_html
-from attn_spec.properties import derivations
-from attn_spec.properties.explanations import EXPLANATIONS
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = list(REGISTRY)
@@ -36,28 +34,30 @@ def test_list_shows_every_property(capsys):
         assert f"| {p.family} " in md and p.statement in md
 
 
-def test_every_property_has_explain_content():
-    missing = sorted(set(IDS) - set(EXPLANATIONS))
-    assert not missing, f"add these ids to properties/explanations.py: {missing}"
-    assert not set(EXPLANATIONS) - set(IDS), "explanations for ids that are not in the catalog"
+def test_every_property_has_its_lesson_beside_its_check():
+    missing = sorted(pid for pid, p in REGISTRY.items() if p.lesson is None)
+    assert not missing, f"give these properties a lesson=Lesson(...) in their @prop: {missing}"
+    assert all(p.lesson.example in lessons.EXAMPLES for p in REGISTRY.values()), "a lesson names no worked example"
+    for pid, derive in DERIVATIONS.items():  # a derivation lives in the module of its property
+        assert derive.__module__ == REGISTRY[pid].fn.__module__, pid
 
 
 @pytest.mark.parametrize("pid", IDS)
 def test_explain_every_property(pid, capsys):
-    sections = explain.explanation(pid)
+    sections = lessons.lesson_sections(pid)
     for key in ("unicode", "latex", "math", "why", "breaks", "example", "check"):
         assert sections[key].strip(), f"{pid}: empty section {key!r}"
     assert re.search(r"\d\.\d", sections["example"]), f"{pid}: the worked example shows no computed numbers"
     assert main(["explain", pid]) == 0
     text = capsys.readouterr().out
-    assert all(explain.TITLES[key] in text for key in explain.SECTIONS) and sections["unicode"] in text
+    assert all(lessons.TITLES[key] in text for key in lessons.SECTIONS) and sections["unicode"] in text
     assert main(["explain", pid, "--format", "markdown"]) == 0
     md = capsys.readouterr().out
     assert f"$$\n{sections['latex']}\n$$" in md and md.count("```") >= 2
-    has_derivation = pid in derivations.DERIVATIONS
-    assert (explain.TITLES["derivation"] in text) == has_derivation
+    has_derivation = REGISTRY[pid].derivation is not None
+    assert (lessons.TITLES["derivation"] in text) == has_derivation
     if has_derivation:
-        assert md.count("$$") >= 2 * (1 + len(explain.derivation_steps(pid)))
+        assert md.count("$$") >= 2 * (1 + len(lessons.derivation_steps(pid)))
 
 
 def test_unknown_id_is_a_usage_error(capsys):
@@ -67,18 +67,18 @@ def test_unknown_id_is_a_usage_error(capsys):
 
 
 def test_derivations_justify_catalog_properties():
-    assert set(derivations.DERIVATIONS) <= set(REGISTRY)
-    assert set(derivations.DERIVATIONS) == {"rows-sum-to-one", "key-shift-invariance", "scale-sqrt-dk",
-                                            "gradients", "head-concat-equivalence"}
+    assert set(DERIVATIONS) <= set(REGISTRY)
+    assert set(DERIVATIONS) == {"rows-sum-to-one", "key-shift-invariance", "scale-sqrt-dk",
+                                "gradients", "head-concat-equivalence"}
 
 
-@pytest.mark.parametrize("pid", list(derivations.DERIVATIONS))
+@pytest.mark.parametrize("pid", list(DERIVATIONS))
 def test_derivation_holds(pid):
-    steps = explain.derivation_steps(pid)
+    steps = lessons.derivation_steps(pid)
     assert len(steps) >= 3 and all(text and expr is not None for text, expr in steps)
 
 
-@pytest.mark.parametrize("pid", list(derivations.DERIVATIONS))
+@pytest.mark.parametrize("pid", list(DERIVATIONS))
 def test_derivation_breaks_when_the_reference_scale_changes(pid, monkeypatch):
     original = reference.attention
 
@@ -86,15 +86,15 @@ def test_derivation_breaks_when_the_reference_scale_changes(pid, monkeypatch):
         return original(q, k, v, mask, **{**kw, "scale": 1 / q.shape[-1]})
 
     monkeypatch.setattr(reference, "attention", scaled_by_d_k)
-    with pytest.raises(derivations.DerivationError):
-        derivations.DERIVATIONS[pid]()
+    with pytest.raises(symbolic.DerivationError):
+        DERIVATIONS[pid]()
 
 
-@pytest.mark.parametrize("pid", list(derivations.DERIVATIONS))
+@pytest.mark.parametrize("pid", list(DERIVATIONS))
 def test_derivation_breaks_when_the_symbolic_scale_changes(pid, monkeypatch):
-    monkeypatch.setattr(derivations, "canonical_scale", lambda d_k: 1 / d_k)
-    with pytest.raises(derivations.DerivationError):
-        derivations.DERIVATIONS[pid]()
+    monkeypatch.setattr(symbolic, "canonical_scale", lambda d_k: 1 / d_k)
+    with pytest.raises(symbolic.DerivationError):
+        DERIVATIONS[pid]()
 
 
 def inverted_mask(Q, K, V, mask=None):

@@ -1,4 +1,10 @@
-"""The property registry: ``@prop`` turns one small function into a catalog entry."""
+"""The property registry: ``@prop`` turns one small function into a catalog entry.
+
+A property is one place: its check (the function), its docstring (the math, "Why:" and
+"Catches:"), its :class:`Lesson` (the rest of what ``attn-spec explain`` teaches) and, for some,
+a sympy derivation registered with ``@derivation``. Derivations import sympy inside the function:
+importing the catalog must stay cheap.
+"""
 from __future__ import annotations
 
 import functools
@@ -11,6 +17,23 @@ from attn_spec.targets.conventions import CONVENTIONS, MULTIHEAD_CONVENTIONS, Ta
 from attn_spec.checking.cases import Case, MhaCase
 
 REGISTRY: dict[str, "Property"] = {}
+DERIVATIONS: dict[str, Callable[[], list]] = {}  # property id -> its sympy derivation (returns the steps)
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """What ``attn-spec explain`` adds to a property's docstring (see :mod:`attn_spec.lessons`).
+
+    ``unicode``/``latex``: the statement typeset for a terminal and for markdown; ``check``: how the
+    kit checks it on a black box; ``example``: the key of the live worked example in
+    ``attn_spec.lessons.EXAMPLES``; ``why``: used only when the docstring has no "Why:" paragraph.
+    """
+
+    unicode: str
+    latex: str
+    check: str
+    example: str
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -26,6 +49,12 @@ class Property:
     multihead: bool | str = False  # True: draws MhaCase; "module": MhaCase for multi-head conventions
     examples: tuple = ()  # explicit cases, tried first, before anything random
     after: tuple[str, ...] = ()  # properties whose failure explains (blocks) this one
+    lesson: Lesson | None = None
+
+    @property
+    def derivation(self) -> Callable[[], list] | None:
+        """The sympy derivation of the fact behind this property, if it has one."""
+        return DERIVATIONS.get(self.id)
 
     @property
     def doc(self) -> str:
@@ -57,14 +86,14 @@ class Property:
 
 
 def prop(id: str, *, family: str, statement: str, conventions=CONVENTIONS, cases=None,
-         multihead=False, examples=(), after=()):
+         multihead=False, examples=(), after=(), lesson: Lesson | None = None):
     """Register ``fn`` under ``id`` (stable, kebab-case: a public contract)."""
 
     def register(fn):
         if id in REGISTRY:
             raise ValueError(f"property id {id!r} is registered twice")  # sanity check
         entry = REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
-                                        multihead, tuple(examples), tuple(after))
+                                        multihead, tuple(examples), tuple(after), lesson)
 
         @functools.wraps(fn)
         def check_case(target, case):  # properties.rows_sum_to_one(my_attention, case) works too
@@ -72,5 +101,18 @@ def prop(id: str, *, family: str, statement: str, conventions=CONVENTIONS, cases
 
         check_case.property_id = id
         return check_case
+
+    return register
+
+
+def derivation(id: str):
+    """Register ``fn`` as the sympy derivation of property ``id``: it returns its steps, a list of
+    ``(text, sympy expression)``, and raises ``attn_spec.symbolic.DerivationError`` if a step fails."""
+
+    def register(fn):
+        if id in DERIVATIONS:
+            raise ValueError(f"property id {id!r} has two derivations")  # sanity check
+        DERIVATIONS[id] = fn
+        return fn
 
     return register

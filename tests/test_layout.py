@@ -1,0 +1,94 @@
+"""The package's shape: no import circle in attn_spec/ and properties/, and a catalog that imports cheaply."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for attn_spec/ and properties/ (installed as attn_spec.properties)."""
+    mods = {}
+    for path in sorted((ROOT / "attn_spec").rglob("*.py")) + sorted((ROOT / "properties").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "properties":
+            parts = ["attn_spec", "properties", *parts[1:]]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict) -> set[str]:
+    """Every module of the package that ``name`` imports, at module level or lazily (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in mods}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in mods:
+                    out.add(full)
+                elif node.module in mods:
+                    out.add(node.module)
+    out.discard(name)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    assert graph["attn_spec.properties"] and graph["attn_spec.checking.runner"], "the import graph came out empty"
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_importing_the_catalog_imports_neither_pytest_nor_sympy():
+    code = ("import sys, attn_spec.properties as p; assert len(p.REGISTRY) > 20; "
+            "print(sorted(m for m in ('pytest', 'sympy', '_pytest') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
