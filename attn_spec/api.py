@@ -1,18 +1,22 @@
 """The kit's Python API: ``attn_spec.check`` (a whole report) and ``attn_spec.reproduce`` (one case).
 
 ``attn_spec.properties.check_property`` runs one property with Hypothesis from your own tests.
+``plan``, ``load_targets`` and ``run`` are the steps of a check, shared with ``attn-spec check``.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+import attn_spec.settings as attn_settings
 from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
+from attn_spec.checking.catalog import Property
 from attn_spec.checking.runner import check_target
-from attn_spec.checking.strategies import checked, get_profile
-from attn_spec.errors import Failure
+from attn_spec.errors import Failure, KitUsageError
 from attn_spec.properties import select
 from attn_spec.report import Report
+from attn_spec.report.ci import Expectations
 from attn_spec.targets.behaviours import parse_requirements
 from attn_spec.targets.capabilities import parse_capabilities
 from attn_spec.targets.conventions import Target, make_target
@@ -20,26 +24,95 @@ from attn_spec.targets.loading import load_target
 from attn_spec.version import __version__
 
 
-def check(*targets, name=None, convention=None, profile="default", seed=None, only=None, skip=None,
-          dtypes=None, devices=None, progress=None, require=None, exitfirst=False) -> Report:
+@dataclass
+class Plan:
+    """One check's settings, validated against the catalog and this machine."""
+
+    settings: attn_settings.Settings
+    properties: list[Property]
+    seed: int
+    dtypes: list[str]
+    devices: list[str]
+    expectations: Expectations | None
+
+
+def plan(settings: attn_settings.Settings) -> Plan:
+    """Validate what only the catalog and the machine can judge; a SettingError names the source."""
+    for name, validate in (("only", lambda ids: select(only=ids)), ("skip", lambda ids: select(skip=ids)),
+                           ("require", parse_requirements), ("require", parse_capabilities)):
+        try:
+            validate(settings[name])
+        except KitUsageError as exc:
+            raise settings.error(name, str(exc)) from None
+    available = available_devices()
+    devices = [d for d in settings["devices"] if d != "all"] or available
+    if any(d not in available for d in devices):
+        raise settings.error("devices", f"this machine has only {', '.join(available)}")
+    expectations = None
+    if settings["expect"]:
+        try:
+            expectations = Expectations.read(settings["expect"])
+        except OSError as exc:
+            raise settings.error("expect", f"cannot read {settings['expect']}: {exc.strerror}") from None
+    seed = random.randrange(2**32) if settings["seed"] is None else settings["seed"]
+    return Plan(settings, select(settings["only"], settings["skip"]), seed, settings["dtypes"] or list(DTYPES),
+                devices, expectations)
+
+
+def load_targets(settings: attn_settings.Settings, name: str | None = None) -> list[Target]:
+    """The TARGET specs of the settings, loaded (TargetLoadError for one that cannot be)."""
+    root = settings.bases.get("targets")
+    return [make_target(load_target(spec, root=root), name or spec, settings["convention"])
+            for spec in settings["targets"]]
+
+
+def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False) -> Report:
+    """Check each target as ``plan`` says; the expectations file, if any, is applied to the report."""
+    s = plan.settings
+    expected = set(plan.expectations.ids) if plan.expectations else set()
+    reports = [check_target(target, plan.properties, profile=s["profile"], seed=plan.seed, dtypes=plan.dtypes,
+                            devices=plan.devices, progress=progress, require=s["require"], exitfirst=exitfirst,
+                            expected=expected) for target in targets]
+    report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes)
+    if plan.expectations:
+        plan.expectations.apply(report)
+    return report
+
+
+def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
+          devices=None, require=None, expect=None, progress=None, exitfirst=False, config=False) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
     >>> report.conforms, print(report)
+
+    ``config=True`` also reads what is not given here from the environment (``ATTN_SPEC_*``) and from
+    ``[tool.attn-spec]`` in the nearest pyproject.toml (or the one at ``config``, a path), including
+    the targets when none are given: ``attn_spec.check(config=True)`` is ``attn-spec check``.
+    ``expect``: an expectations file, as ``--expect``.
     """
-    get_profile(profile)
-    parse_requirements(require)  # usage errors before any work
-    parse_capabilities(require)
-    props = select(only, skip)
-    seed = random.randrange(2**32) if seed is None else seed
-    dtypes = checked(dtypes or list(DTYPES), DTYPES, "dtypes")
-    devices = checked(devices or available_devices(), available_devices(), "devices")
-    reports = []
-    for obj in targets:
-        target = obj if isinstance(obj, Target) else make_target(obj, name if len(targets) == 1 else None, convention)
-        reports.append(check_target(target, props, profile=profile, seed=seed, dtypes=dtypes,
-                                    devices=devices, progress=progress, require=require, exitfirst=exitfirst))
-    return Report(reports, __version__, profile, seed, devices=devices, dtypes=dtypes)
+    given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
+                            dtypes=dtypes, devices=devices, require=require, expect=expect)
+    if not config:
+        settings = attn_settings.resolve([given])
+    else:
+        settings = attn_settings.load(given, path=None if config is True else config)
+    checked_plan = plan(settings)
+    if targets:
+        loaded = [obj if isinstance(obj, Target) else
+                  make_target(load_target(obj) if isinstance(obj, str) else obj,
+                              name if len(targets) == 1 else (obj if isinstance(obj, str) else None),
+                              settings["convention"]) for obj in targets]
+    elif settings["targets"]:
+        loaded = load_targets(settings)
+    else:
+        raise KitUsageError("no targets: pass one, or set targets in [tool.attn-spec] and call with config=True")
+    return run(loaded, checked_plan, progress=progress, exitfirst=exitfirst)
+
+
+def config_keywords(**values) -> attn_settings.Layer:
+    """The API's keyword arguments as the top settings layer (None: not given)."""
+    return attn_settings.keywords(values, "the keyword argument {key}", base=None)
 
 
 def reproduce(property_id: str, target, case, *, convention=None) -> None:
@@ -53,3 +126,6 @@ def reproduce(property_id: str, target, case, *, convention=None) -> None:
     except Failure as failure:
         restate(failure, f"{property_id}: ")
     print(f"{property_id} holds on {case.summary()}")
+
+
+__all__ = ["check", "reproduce", "plan", "load_targets", "run", "Plan"]

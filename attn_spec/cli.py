@@ -1,6 +1,7 @@
 """The ``attn-spec`` command line: one module per subcommand in ``attn_spec.commands``.
 
-Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit code``.
+Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit code``. Errors in a
+command's arguments are reported with that command's usage (``usage_error``), never the top-level one.
 Exit codes: 0 success / conforms, 1 a property fails, 2 usage error or unloadable target.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ EPILOG = """\
 Examples:
   attn-spec check examples/seed_attention.py:attention
   attn-spec check torch.nn.functional:scaled_dot_product_attention --profile thorough
+  attn-spec check                  # the targets and settings of [tool.attn-spec] in pyproject.toml
+  attn-spec config                 # the effective settings and where each comes from
   attn-spec COMMAND --help
 
 Exit status: 0 success (every target conforms), 1 a property fails, 2 usage error.
@@ -31,11 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"attn_spec.commands.{name}").add_parser(subparsers)
+    parser.set_defaults(commands=subparsers.choices)
     return parser
 
 
+def usage_error(args, message: str) -> int:
+    """``message`` in the command's own usage, as its parser's ``error`` prints it, but returned as exit 2."""
+    parser = args.commands[args.command]
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # argparse would blame the top-level parser for a subcommand's extra arguments
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return importlib.import_module(f"attn_spec.commands.{args.command}").run(args)
     except KeyboardInterrupt:

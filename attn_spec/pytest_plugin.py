@@ -1,118 +1,184 @@
 """attn-spec inside pytest: the catalog as test items, and one property inside your own tests.
 
-Installed with the kit (entry point ``pytest11``: ``attn_spec``); inert unless ``--attn-target`` is given.
+Installed with the kit (entry point ``pytest11``: ``attn_spec``); inert unless it has targets.
 
     pytest --attn-target mypkg.attn:attention --attn-profile quick
     pytest --attn-target my.py:attention --attn-target my.py:MultiHeadAttention --attn-only causal-mask
+    pytest                      # with targets in [tool.attn-spec] of pyproject.toml, or attn_target in an ini file
 
-Each target gets one item per property, ``attn-spec[TARGET]::PROPERTY-ID``, so ``-k causal-mask``
-selects a property and ``-k 'attn-spec[my.py:attention]'`` a target. A failing item shows the
-same lesson as ``attn-spec check`` (statement, what happened, likely cause, counterexample,
-reproduction); a property that does not apply to the target is skipped with the reason.
-The header prints the seed as ``--attn-seed=N``: paste it to rerun the same cases.
+Options, ini keys and environment variables come from one table (``attn_spec.settings``): each
+setting is ``--attn-NAME``, the ini key ``attn_NAME`` (``[tool.pytest.ini_options]``, pytest.ini,
+tox.ini, setup.cfg), ``ATTN_SPEC_NAME`` and ``NAME`` in ``[tool.attn-spec]``, in that order of
+precedence (command line > environment > ini key > pyproject.toml > default). Targets from the
+command line are always checked; targets from configuration only when pytest runs without path
+arguments (as ``testpaths`` applies), so ``pytest tests/test_one.py`` stays a quick run.
 
-pytest-xdist (``-n auto``): every worker must collect the same items and run the same cases.
-Items depend only on the command line. With no ``--attn-seed``, the controller draws the seed
-once (the one its header prints) and hands it to each worker in ``workerinput`` from the
-``pytest_configure_node`` hook. Deriving it from ``PYTEST_XDIST_TESTRUNUID`` instead would not
-do: that variable exists only in the workers, so the controller's header would show another seed.
+Each target gets one item per property, ``attn-spec[TARGET]::PROPERTY-ID`` (and one per
+``require`` item, ``attn-spec[TARGET]::capability:mask``), so ``-k causal-mask`` selects a property
+and ``-k 'attn-spec[my.py:attention]'`` a target. A failing item shows the same lesson as
+``attn-spec check``; a property that does not apply is skipped with the reason; a failure listed in
+the ``expect`` file is an xfail. The header prints the seed as ``--attn-seed=N``: paste it to rerun
+the same cases.
+
+``@pytest.mark.attn_spec(target=..., profile=..., ...)`` on a test function turns it into one test
+per property on that target (``test_x[causal-mask]``); the marker's keywords are settings and win
+over every other source for that test. The function's body is not run.
+
+pytest-xdist (``-n auto``): every worker must collect the same items and run the same cases. The
+controller resolves the settings and draws the seed once (the one its header prints) and hands both
+to each worker in ``workerinput`` from the ``pytest_configure_node`` hook, so a worker on another
+host, with another environment or folder, still runs the controller's check.
 
 This module is imported by every pytest run once the kit is installed: it imports nothing heavy
-at module level; torch, the runner and the user's target load only when ``--attn-target`` is given.
+at module level; torch, the runner and the user's target load only when there is something to check.
 Disable it entirely with ``-p no:attn_spec``.
 """
 from __future__ import annotations
 
+import os
 import random
-import re
 
 import pytest
 
+from attn_spec import settings as config_table
 from attn_spec.errors import AttnSpecError
 
 SEED_KEY = "attn_spec_seed"  # the controller's seed, in each xdist worker's workerinput
+SETTINGS_KEY = "attn_spec_settings"  # the controller's resolved settings and whether it checks targets
+MARKER = ("attn_spec(target, **settings): check TARGET (an object or a TARGET string) against the catalog, one "
+          "test per property; keywords are attn-spec settings (profile, seed, only, skip, dtypes, ...)")
 
 
 def pytest_addoption(parser) -> None:
-    group = parser.getgroup("attn-spec", "attn-spec: check attention implementations against the property catalog")
-    group.addoption("--attn-target", action="append", default=[], metavar="TARGET",
-                    help="path/to/file.py:name or package.module:name; repeat for several targets. "
-                         "Without it the plugin does nothing.")
-    group.addoption("--attn-convention", metavar="NAME",
-                    help="force the targets' convention: function, sdpa, module, torch-mha or adapter "
-                         "(default: detected)")
-    group.addoption("--attn-profile", default="default", metavar="NAME",
-                    help="how hard to look: quick, default or thorough (default: default)")
-    group.addoption("--attn-seed", type=int, metavar="N",
-                    help="seed for reproducible cases (default: random, printed in the header)")
-    group.addoption("--attn-only", action="append", default=[], metavar="IDS",
-                    help="run only these property ids (comma-separated; may repeat)")
-    group.addoption("--attn-skip", action="append", default=[], metavar="IDS",
-                    help="skip these property ids (comma-separated; may repeat)")
+    config_table.add_pytest_options(parser)
 
 
 def pytest_configure(config) -> None:
-    if config.getoption("attn_target"):
-        config.pluginmanager.register(AttnSpecRun(config), "attn-spec-run")
+    config.addinivalue_line("markers", MARKER)
+    config.pluginmanager.register(AttnSpecSession(config), "attn-spec-session")
 
 
-def _ids(values: list[str]) -> list[str]:
-    return [i for text in values for i in re.split(r"[,\s]+", text) if i]
+def _overridden(args) -> set[str]:
+    """Ini keys given with ``-o KEY=VALUE`` / ``--override-ini``."""
+    names, args = set(), list(args)
+    for i, arg in enumerate(args):
+        value = (args[i + 1] if arg in ("-o", "--override-ini") and i + 1 < len(args) else
+                 arg[2:] if arg.startswith("-o") and len(arg) > 2 else
+                 arg.partition("=")[2] if arg.startswith("--override-ini=") else "")
+        names.add(value.partition("=")[0])
+    return names
 
 
-class AttnSpecRun:
-    """The state of one pytest run with ``--attn-target``: loaded targets, settings, failures so far."""
+def _ini_layer(config) -> config_table.Layer:
+    """The plugin's ini keys, named by file and section (``tox.ini [pytest] attn_profile``)."""
+    values = {s.name: v for s in config_table.offered() if (v := config.getini(s.ini)) not in ("", [], None)}
+    path, overridden = config.inipath, _overridden(config.invocation_params.args)
+    section = {"setup.cfg": "[tool:pytest]", "pyproject.toml": "[tool.pytest.ini_options]"}.get(
+        path.name if path else "", "[pytest]")
+    if path and path.name == "pyproject.toml" and "ini_options" not in \
+            config_table._read_toml(path).get("tool", {}).get("pytest", {}):
+        section = "[tool.pytest]"
+
+    def where(s):
+        return f"pytest -o {s.ini}" if s.ini in overridden else f"{os.path.relpath(path)} {section} {s.ini}"
+
+    return config_table.Layer(values, where, base=path.parent if path else None)
+
+
+class AttnSpecSession:
+    """The plugin's state in one pytest run: settings, seed, and (once needed) the loaded targets."""
 
     def __init__(self, config):
-        from attn_spec.targets.conventions import make_target
-        from attn_spec.checking.cases import DTYPES, available_devices
-        from attn_spec.errors import TargetLoadError
-        from attn_spec.targets.loading import load_target
-        from attn_spec.properties import select
-        from attn_spec.checking.strategies import get_profile
-        from attn_spec.errors import KitUsageError
-
-        option = config.option
-        self.profile, self.convention = option.attn_profile, option.attn_convention
-        self.only, self.skip = _ids(option.attn_only), _ids(option.attn_skip)
-        self.seed = option.attn_seed
-        if self.seed is None:  # an xdist worker takes the controller's seed; otherwise draw one
-            self.seed = getattr(config, "workerinput", {}).get(SEED_KEY, random.randrange(2**32))
-        self.dtypes, self.devices = list(DTYPES), available_devices()
-        self.failed: dict[str, set[str]] = {}  # target spec -> ids that failed so far in this session
-        try:
-            get_profile(self.profile)
-            self.properties = select(self.only, self.skip)
-            self.targets = {spec: make_target(load_target(spec), spec, self.convention)
-                            for spec in dict.fromkeys(option.attn_target)}
-        except (KitUsageError, TargetLoadError) as exc:
-            raise pytest.UsageError(f"attn-spec: {exc}") from None
+        self.config = config
+        shipped = getattr(config, "workerinput", {}).get(SETTINGS_KEY)
+        if shipped:  # an xdist worker runs the controller's check
+            self.settings = config_table.Settings.from_wire(shipped["settings"])
+            self.active, self.seed = shipped["active"], config.workerinput[SEED_KEY]
+        else:
+            try:
+                self.settings = config_table.load(config_table.command_line(config.option, pytest_flags=True),
+                                                  start=config.invocation_params.dir, below=(_ini_layer(config),))
+            except config_table.SettingError as exc:
+                raise pytest.UsageError(f"attn-spec: {exc}") from None
+            from_flags = self.settings.sources["targets"].startswith("the command line")
+            self.active = bool(self.settings["targets"]) and (
+                from_flags or getattr(config, "args_source", None) != pytest.Config.ArgsSource.ARGS)
+            seed = self.settings["seed"]
+            self.seed = random.randrange(2**32) if seed is None else seed
+        self.checker = Checker(self.settings, self.seed) if self.active else None
 
     def pytest_report_header(self, config) -> list[str]:
+        if not self.active:
+            return []
         import torch
 
         from attn_spec.version import __version__
 
-        lines = [f"attn-spec {__version__}: profile {self.profile}, --attn-seed={self.seed}, "
-                 f"torch {torch.__version__}, devices {', '.join(self.devices)}"]
-        lines += [f"attn-spec target: {spec} ({target.convention} convention)" for spec, target in self.targets.items()]
+        c = self.checker
+        lines = [f"attn-spec {__version__}: profile {c.profile}, --attn-seed={self.seed}, "
+                 f"torch {torch.__version__}, devices {', '.join(c.plan.devices)}"]
+        by_source: dict[str, list[str]] = {}
+        for name, source in self.settings.sources.items():
+            if source != "default":
+                by_source.setdefault(source.rsplit(" attn_", 1)[0], []).append(name)
+        lines.append("attn-spec settings: " + "; ".join(f"{', '.join(names)} from {source}"
+                                                        for source, names in by_source.items()))
+        lines += [f"attn-spec target: {spec} ({target.convention} convention)" for spec, target in c.targets.items()]
         return lines
 
     @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect filter the items
     def pytest_collection_modifyitems(self, session, items) -> None:
-        for spec in self.targets:
-            name = f"attn-spec[{spec}]"
-            items.extend(session.genitems(TargetCollector.from_parent(session, name=name, nodeid=name, spec=spec)))
+        items[:] = [new for item in items for new in _marked(item, self)]
+        if self.active:
+            for spec in self.checker.targets:
+                name = f"attn-spec[{spec}]"
+                items.extend(session.genitems(TargetCollector.from_parent(session, name=name, nodeid=name, spec=spec)))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node) -> None:
-        """pytest-xdist, in the controller: every worker runs with the seed this header printed."""
+        """pytest-xdist, in the controller: every worker runs with these settings and the seed this header printed."""
         node.workerinput[SEED_KEY] = self.seed
+        node.workerinput[SETTINGS_KEY] = {"settings": self.settings.to_wire(), "active": self.active}
+
+
+class Checker:
+    """What the items of one set of settings share: loaded targets, the plan, failures so far."""
+
+    def __init__(self, settings, seed: int, targets: dict | None = None):
+        from attn_spec import api
+        from attn_spec.errors import KitUsageError, TargetLoadError
+
+        self.settings, self.profile, self.convention = settings, settings["profile"], settings["convention"]
+        self.failed: dict[str, set[str]] = {}  # target key -> ids that failed so far in this session
+        self.probed: dict[str, object] = {}  # target key -> TargetReport with the header's probes
+        try:
+            self.plan = api.plan(settings)
+            self.plan.seed = seed
+            self.targets = targets if targets is not None else \
+                dict(zip(settings["targets"], api.load_targets(settings)))
+        except (KitUsageError, TargetLoadError) as exc:
+            raise pytest.UsageError(f"attn-spec: {exc}") from None
+        self.expected = self.plan.expectations.ids if self.plan.expectations else {}
+
+    def items(self, parent, key: str, name=lambda pid: pid) -> list:
+        """One item per property and per ``require`` entry, for the target ``key``, under ``parent``."""
+        from attn_spec.targets.behaviours import parse_requirements
+        from attn_spec.targets.capabilities import parse_capabilities
+
+        require = self.settings["require"]
+        ids = [f"convention:{k}" for k in parse_requirements(require)] + \
+              [f"capability:{c}" for c in parse_capabilities(require)]
+        return ([PropertyItem.from_parent(parent, name=name(p.id), prop=p, checker=self, key=key)
+                 for p in self.plan.properties] +
+                [RequirementItem.from_parent(parent, name=name(i), requirement=i, checker=self, key=key)
+                 for i in ids])
 
     def rerun_command(self, spec: str, property_id: str) -> str:
         extra = [f"--attn-convention={self.convention}"] if self.convention else []
+        extra += [f"--attn-dtypes={','.join(self.plan.dtypes)}"] if self.settings["dtypes"] else []
+        extra += [f"--attn-devices={','.join(self.plan.devices)}"] if self.settings["devices"] else []
         return " ".join(["pytest", f"--attn-target={spec}", f"--attn-only={property_id}",
-                         f"--attn-profile={self.profile}", f"--attn-seed={self.seed}", *extra])
+                         f"--attn-profile={self.profile}", f"--attn-seed={self.plan.seed}", *extra])
 
 
 class TargetCollector(pytest.Collector):
@@ -123,38 +189,24 @@ class TargetCollector(pytest.Collector):
         self.spec = spec
 
     def collect(self):
-        run = self.config.pluginmanager.get_plugin("attn-spec-run")
-        return [PropertyItem.from_parent(self, name=prop.id, prop=prop, run=run) for prop in run.properties]
+        return self.config.pluginmanager.get_plugin("attn-spec-session").checker.items(self, self.spec)
+
+
+def _domain(item) -> str:
+    """How ``-v`` names the item: its node id, or inside a test module what follows the file (as for functions)."""
+    if isinstance(item.parent, (pytest.Module, pytest.Class)):
+        return item.nodeid.split("::", 1)[1].replace("::", ".")
+    return item.nodeid
 
 
 class PropertyFailed(AttnSpecError, AssertionError):
     """A property does not hold; ``str()`` is the lesson shown as the failure."""
 
 
-class PropertyItem(pytest.Item):
-    """One property on one target, run with Hypothesis exactly as ``attn-spec check`` runs it."""
-
-    def __init__(self, *, prop, run: AttnSpecRun, **kwargs):
+class _AttnItem(pytest.Item):
+    def __init__(self, *, checker: Checker, key: str, rerun: str = "", **kwargs):
         super().__init__(**kwargs)
-        self.prop, self.run = prop, run
-
-    def runtest(self) -> None:
-        from attn_spec.checking.runner import run_property
-        from attn_spec.report.text import failure_text
-
-        spec = self.parent.spec
-        result = run_property(self.prop, self.run.targets[spec], profile=self.run.profile, seed=self.run.seed,
-                              dtypes=self.run.dtypes, devices=self.run.devices)
-        if result.status == "skip":
-            pytest.skip(f"{self.prop.id}: {result.message}")
-        if result.status in ("fail", "error"):
-            failed = self.run.failed.setdefault(spec, set())
-            blockers = [b for b in self.prop.after if b in failed]
-            failed.add(self.prop.id)
-            note = (f"note: {blockers[0]} already failed on this target, and its failure explains this one: "
-                    f"fix that first" if blockers else "")
-            raise PropertyFailed("\n".join(filter(None, [
-                failure_text(result), note, f"rerun: {self.run.rerun_command(spec, self.prop.id)}"])))
+        self.checker, self.key, self.rerun = checker, key, rerun
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, PropertyFailed):
@@ -162,4 +214,115 @@ class PropertyItem(pytest.Item):
         return super().repr_failure(excinfo, style)
 
     def reportinfo(self):
-        return self.path, None, self.nodeid
+        return self.path, None, _domain(self)
+
+    def fail(self, lesson: str, property_id: str, note: str = "") -> None:
+        if property_id in self.checker.expected:
+            pytest.xfail(f"{property_id}: expected failure (listed in {self.checker.plan.expectations.path})")
+        rerun = self.rerun or self.checker.rerun_command(self.key, property_id)
+        raise PropertyFailed("\n".join(filter(None, [lesson, note, f"rerun: {rerun}"])))
+
+
+class PropertyItem(_AttnItem):
+    """One property on one target, run with Hypothesis exactly as ``attn-spec check`` runs it."""
+
+    def __init__(self, *, prop, **kwargs):
+        super().__init__(**kwargs)
+        self.prop = prop
+
+    def runtest(self) -> None:
+        from attn_spec.checking.runner import run_property
+        from attn_spec.report.text import failure_text
+
+        c = self.checker
+        result = run_property(self.prop, c.targets[self.key], profile=c.profile, seed=c.plan.seed,
+                              dtypes=c.plan.dtypes, devices=c.plan.devices)
+        if result.status == "skip":
+            pytest.skip(f"{self.prop.id}: {result.message}")
+        if result.status in ("fail", "error"):
+            failed = c.failed.setdefault(self.key, set())
+            blockers = [b for b in self.prop.after if b in failed]
+            failed.add(self.prop.id)
+            note = (f"note: {blockers[0]} already failed on this target, and its failure explains this one: "
+                    f"fix that first" if blockers else "")
+            self.fail(failure_text(result), self.prop.id, note)
+
+
+class RequirementItem(_AttnItem):
+    """One ``require`` entry (a capability, or a behaviour such as fully-masked=zeros) on one target."""
+
+    def __init__(self, *, requirement: str, **kwargs):
+        super().__init__(**kwargs)
+        self.requirement = requirement
+
+    def runtest(self) -> None:
+        from attn_spec.checking.runner import _requirements
+        from attn_spec.report import TargetReport
+        from attn_spec.targets.behaviours import probe_behaviours
+        from attn_spec.targets.capabilities import probe_capabilities
+
+        c, target = self.checker, self.checker.targets[self.key]
+        if self.key not in c.probed:
+            report = TargetReport(target.name, target.convention)
+            dtype = "float32" if "float32" in c.plan.dtypes else c.plan.dtypes[0]
+            report.behaviours = probe_behaviours(target, dtype, c.plan.devices[0])
+            report.capabilities, report.lacks = probe_capabilities(target, c.plan.dtypes, c.plan.devices[0])
+            c.probed[self.key] = report
+        kind, _, name = self.requirement.partition(":")
+        wanted = [r for r in c.settings["require"] if (r.partition("=")[0] if "=" in r else r) == name]
+        (result,) = [r for r in _requirements(c.probed[self.key], wanted) if r.id == self.requirement]
+        if result.status == "fail":
+            self.fail(f"✗ {result.id}: {result.statement}\n  what happened: {result.message}", result.id)
+
+
+def _marked(item, session: AttnSpecSession) -> list:
+    """``item`` itself, or, for a test function marked ``@pytest.mark.attn_spec``, its property items."""
+    marks = [m for m in getattr(item, "own_markers", []) if m.name == "attn_spec"]
+    if not marks or not isinstance(item, pytest.Function):
+        return [item]
+    new = []
+    for mark in marks:
+        try:
+            checker, key = _marker_checker(item, mark, session)
+        except (pytest.UsageError, AttnSpecError) as exc:
+            new.append(MarkerError.from_parent(item.parent, name=item.name, message=str(exc)))
+            continue
+        many = len(marks) > 1
+        made = checker.items(item.parent, key, name=lambda pid: f"{item.name}[{key + ':' if many else ''}{pid}]")
+        for one in made:
+            one.rerun = f"pytest '{one.nodeid}' --attn-seed={checker.plan.seed}"
+        new += made
+    return new
+
+
+def _marker_checker(item, mark, session: AttnSpecSession):
+    from attn_spec.targets.conventions import make_target
+    from attn_spec.targets.loading import load_target, spec_of
+
+    keywords = dict(mark.kwargs)
+    target = keywords.pop("target", mark.args[0] if mark.args else None)
+    label = f"@pytest.mark.attn_spec on {item.name} ({{key}}=)"
+    if target is None or "targets" in keywords:
+        raise AttnSpecError(f"{label.format(key='target')}: give one target, as target=obj or a TARGET string")
+    layer = config_table.keywords(keywords, label, base=item.path.parent)
+    settings = config_table.overlay(session.settings, layer)
+    seed = settings["seed"] if "seed" in layer.values else session.seed
+    if isinstance(target, str):
+        key, obj = target, load_target(target)
+    else:
+        key, obj = spec_of(target) or getattr(target, "__qualname__", type(target).__name__), target
+    return Checker(settings, seed, {key: make_target(obj, key, settings["convention"])}), key
+
+
+class MarkerError(pytest.Item):
+    """A marked test whose marker cannot be used (a bad setting, a target that cannot be loaded)."""
+
+    def __init__(self, *, message: str, **kwargs):
+        super().__init__(**kwargs)
+        self.message = message
+
+    def runtest(self) -> None:
+        pytest.fail(self.message, pytrace=False)
+
+    def reportinfo(self):
+        return self.path, None, _domain(self)

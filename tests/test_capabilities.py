@@ -145,4 +145,4 @@ def test_cli_require_capability(no_mask_file, capsys):
 def test_cli_unknown_capability_is_a_usage_error(no_mask_file, capsys):
     assert _cli(no_mask_file, "masks") == 2
     err = capsys.readouterr().err
-    assert "--require masks: unknown capability" in err and "mask, batch, cross" in err
+    assert "require=['masks'] from the command line (--require): 'masks' is not a capability" in err and "mask, batch, cross" in err

@@ -1,10 +1,16 @@
 """The CI gate: JUnit XML, markdown, GitHub annotations, expectations files, dtype/device selection."""
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
+import attn_spec.properties
 from attn_spec.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +70,57 @@ def test_expectations_file(tmp_path, capsys):
     assert main(["check", BUGGY, *QUICK, *ONLY]) == 1
 
 
+def test_expected_failures_are_in_every_verdict(tmp_path, capsys, monkeypatch):
+    """Never a bare CONFORMS when the expectations file hides failures: text, markdown, JUnit, annotations."""
+    expect = tmp_path / "known.txt"
+    expect.write_text("scale-sqrt-dk      # divides by d_k\nmatches-reference  # follows from it\n")
+    verdict = "CONFORMS (2 expected failures: scale-sqrt-dk, matches-reference)"
+    argv = ["check", BUGGY, *QUICK, *ONLY, "--expect", str(expect)]
+    assert main(argv) == 0
+    assert f"{BUGGY} (function convention): {verdict}" in capsys.readouterr().out
+    assert main([*argv, "--format", "markdown"]) == 0
+    assert f"## {BUGGY} (function convention): {verdict}" in capsys.readouterr().out
+    assert main([*argv, "--format", "junit"]) == 0
+    (suite,) = ET.fromstring(capsys.readouterr().out).findall("testsuite")
+    assert {p.get("name"): p.get("value") for p in suite.iter("property")}["verdict"] == verdict
+    skipped = [c.find("skipped").get("message") for c in suite.findall("testcase") if c.get("name") == "scale-sqrt-dk"]
+    assert skipped[0].startswith(f"expected failure (listed in {expect}): ")
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    assert main(argv) == 0
+    assert f"::notice title=attn-spec: {BUGGY}::{verdict}" in capsys.readouterr().out.splitlines()
+
+
+def test_exitfirst_reports_what_it_did_not_run_in_one_line(tmp_path, capsys):
+    assert main(["check", BUGGY, *QUICK, "-x"]) == 1
+    out = capsys.readouterr().out
+    not_run = len(attn_spec.properties.REGISTRY) - 1
+    assert "DOES NOT CONFORM (1 of 1 properties fail)" in out
+    assert f"  {not_run} not run: stopped at the first failure\n" in out
+    assert "skipped" not in out and "rows-sum-to-one" not in out  # no row, no note for what did not run
+
+
+def test_exitfirst_passes_over_expected_failures(tmp_path, capsys):
+    expect = tmp_path / "known.txt"
+    expect.write_text("matches-reference\n")
+    assert main(["check", BUGGY, *QUICK, *ONLY, "-x", "--expect", str(expect), "--format", "json"]) == 1
+    status = {p["id"]: p["status"] for p in json.loads(capsys.readouterr().out)["targets"][0]["properties"]}
+    # matches-reference runs first and fails as expected; -x stops at the next failure, scale-sqrt-dk
+    assert status == {"rows-sum-to-one": "pass", "scale-sqrt-dk": "fail", "matches-reference": "fail",
+                      "head-concat-equivalence": "not-run"}
+
+
+def test_a_multi_target_run_ends_with_its_summary(capsys):
+    assert main(["check", BUGGY, SEED, *QUICK, *ONLY]) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == ("2 targets: 1 conforms, 1 does not · 2 failures, 0 expected failures, "
+                                             "2 skips · seed 5 (--seed 5 reruns these cases)")
+    assert main(["check", SEED, *QUICK, *ONLY]) == 0
+    assert "reruns these cases" not in capsys.readouterr().out  # one target: its verdict says it all
+
+
 def test_missing_expectations_file_is_a_usage_error(tmp_path, capsys):
     assert main(["check", SEED, *QUICK, "--expect", str(tmp_path / "nope.txt")]) == 2
-    assert "nope.txt" in capsys.readouterr().err
+    assert f"expect='{tmp_path / 'nope.txt'}' from the command line (--expect): cannot read" in capsys.readouterr().err
 
 
 def test_dtypes_and_device_restrict_the_run(capsys):
@@ -108,3 +162,35 @@ def test_terminal_colour_marks_only_the_differing_cells():
     got_line = next(line for line in coloured.splitlines() if "0.4378" in line)
     assert got_line.count(RED) == 4  # two cells of got, two of expected
     assert plain.replace(" ", "") == coloured.replace(RED, "").replace("\033[0m", "").replace(" ", "")
+
+
+SAMPLE = ROOT / "examples" / "ci-gate"
+
+
+@pytest.fixture
+def sample(tmp_path):
+    """A copy of the sample project, so the runs leave nothing in the repository."""
+    shutil.copytree(SAMPLE, tmp_path / "ci-gate")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTN_SPEC_", "PYTEST_", "GITHUB_"))}
+    return tmp_path / "ci-gate", {**env, "ATTN_SPEC_PROFILE": "quick"}
+
+
+def test_the_sample_project_gates_from_pyproject_alone(sample):
+    """`attn-spec check` and `pytest`, no arguments: the two targets of its [tool.attn-spec], quick profile."""
+    folder, env = sample
+    check = subprocess.run([str(Path(sys.executable).with_name("attn-spec")), "check"], cwd=folder, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr
+    assert "profile quick · seed 2026" in check.stdout
+    assert "mypkg.attention:attention (function convention): CONFORMS" in check.stdout
+    assert "mypkg.attention:MultiHeadAttention (module convention): CONFORMS" in check.stdout
+    assert check.stdout.rstrip().endswith("seed 2026 (--seed 2026 reruns these cases)")
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"],
+                           cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr
+    assert "attn-spec target: mypkg.attention:attention (function convention)" in tests.stdout
+    assert "attn-spec target: mypkg.attention:MultiHeadAttention (module convention)" in tests.stdout
+    assert "profile quick, --attn-seed=2026" in tests.stdout
+    per_target = len(attn_spec.properties.REGISTRY) + 2  # each property, and the two require items
+    outcomes = re.search(r"(\d+) passed, (\d+) skipped", tests.stdout)
+    assert outcomes and int(outcomes[1]) + int(outcomes[2]) == 2 * per_target, tests.stdout[-2000:]

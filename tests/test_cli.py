@@ -96,10 +96,10 @@ def test_exitfirst_stops_at_the_first_failure_and_keeps_catalog_order(capsys):
     props = json.loads(out)["targets"][0]["properties"]
     assert [p["id"] for p in props] == list(attn_spec.properties.REGISTRY)  # the report keeps catalog order
     failed = [p for p in props if p["status"] == "fail"]
-    not_run = [p for p in props if p["message"].startswith("not run: --exitfirst")]
+    not_run = [p for p in props if p["status"] == "not-run"]
     # matches-reference runs first: its first explicit example, one call, is the counterexample
     assert [p["id"] for p in failed] == ["matches-reference"] and failed[0]["found_after_calls"] == 1
-    assert len(not_run) == len(props) - 1 and {p["status"] for p in not_run} == {"skip"}
+    assert len(not_run) == len(props) - 1 and {p["message"] for p in not_run} == {"stopped at the first failure"}
     assert all(p["found_after_calls"] is None for p in not_run)
 
 
@@ -120,8 +120,6 @@ LOAD_ERRORS = {
     "bad module path": (["no_such_pkg.attn:attention"], ["no_such_pkg"]),
     "no ':' in TARGET": (["my_attention.py"], ["'my_attention.py'", "path/to/file.py:name"]),
     "nothing after ':'": (["my_attention.py:"], ["'my_attention.py:'", "path/to/file.py:name"]),
-    "unknown --only id": (["my_attention.py:attention", "--only", "rows-sum-to-1"], ["rows-sum-to-1", "known:"]),
-    "unknown --skip id": (["my_attention.py:attention", "--skip", "no-such-id"], ["no-such-id"]),
 }
 
 
@@ -134,6 +132,19 @@ def test_usage_errors_exit_2_with_one_paragraph(name, workdir, capsys):
     assert message.startswith("attn-spec: ") and "\n\n" not in message and "Traceback" not in message, message
     for fragment in fragments:
         assert fragment in message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "rows-sum-to-1"], "only=['rows-sum-to-1'] from the command line (--only): unknown property id(s): "
+                                  "rows-sum-to-1; known: rows-sum-to-one"),
+    (["--skip", "no-such-id"], "skip=['no-such-id'] from the command line (--skip): unknown property id(s): no-such-id"),
+    (["--profile", "huge"], "profile='huge' from the command line (--profile): must be one of quick, default, thorough"),
+    (["--seed", "x"], "seed='x' from the command line (--seed): must be an integer"),
+], ids=["only", "skip", "profile", "seed"])
+def test_bad_settings_exit_2_in_checks_own_usage(argv, message, workdir, capsys):
+    code, out, err = cli(capsys, "my_attention.py:attention", "--profile", "quick", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("usage: attn-spec check ") and f"attn-spec check: error: {message}" in err
 
 
 def test_ambiguous_callable_exits_2(workdir, capsys):
@@ -171,12 +182,13 @@ def _assert_contract(data: dict) -> None:
         assert isinstance(target["properties"], list) and target["properties"]
         for p in target["properties"]:
             assert isinstance(p["id"], str)
-            assert p["status"] in ("pass", "fail", "error", "skip")
+            assert p["status"] in ("pass", "fail", "error", "skip", "not-run")
             assert isinstance(p["message"], str)
             assert p["counterexample"] is None or isinstance(p["counterexample"], dict)
             assert isinstance(p["examples"], int) and not isinstance(p["examples"], bool) and p["examples"] >= 0
             assert isinstance(p["seconds"], float) and p["seconds"] >= 0
-        assert target["conforms"] == all(p["status"] in ("pass", "skip") for p in target["properties"])
+        assert target["conforms"] == all(p["status"] in ("pass", "skip", "not-run") or p["expected"]
+                                         for p in target["properties"])
 
 
 def test_json_report_matches_the_public_contract(capsys):

@@ -92,7 +92,8 @@ def test_buggy_target_fails_with_the_property_id_and_the_lesson(attn_files):
 
 @pytest.mark.parametrize("args, message", [
     (["--attn-target", "attn_ok.py:attention", "--attn-only", "rows-sum-to-one,no-such-property"],
-     "ERROR: attn-spec: unknown property id(s): no-such-property; known: *rows-sum-to-one*"),
+     "ERROR: attn-spec: only=[[]'rows-sum-to-one,no-such-property'[]] from the command line (--attn-only): "
+     "unknown property id(s): no-such-property; known: *rows-sum-to-one*"),
     (["--attn-target", "missing.py:attention"], "ERROR: attn-spec: Cannot load target: no file 'missing.py'*"),
 ], ids=["unknown-id", "missing-file"])
 def test_bad_ids_and_unloadable_targets_are_usage_errors(attn_files, args, message):

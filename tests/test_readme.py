@@ -46,3 +46,23 @@ def test_layout_table_lists_every_folder_of_the_tree():
     for folder in sorted(folders):  # listed, or named in the row of a listed folder above it
         above = [str(p) for p in Path(folder).parents if str(p) in rows]
         assert folder in rows or any(Path(folder).name in rows[a] for a in above), f"add {folder}/ to the layout table"
+
+
+def test_the_ci_gate_section_shows_the_sample_projects_table_first():
+    section = README.split("## Gate CI on conformance", 1)[1].split("\n## ", 1)[0]
+    first_block = section.split("```", 2)[1]
+    assert first_block.startswith("toml\n[tool.attn-spec]")
+    sample = (ROOT / "examples" / "ci-gate" / "pyproject.toml").read_text(encoding="utf-8")
+    table = sample.split("[tool.attn-spec]", 1)[1].split("\n[", 1)[0].strip()
+    assert first_block.split("[tool.attn-spec]", 1)[1].strip() == table, "README differs from examples/ci-gate"
+
+
+def test_the_settings_table_names_every_setting():
+    from attn_spec.settings import offered
+
+    section = README.split("## Gate CI on conformance", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    for s in offered():
+        row = next((r for r in rows if f"`{s.name}`" in r.split("|")[1]), None)
+        assert row is not None, f"README's settings table lacks {s.name}"
+        assert s.env in row and s.pytest_flag in row and s.ini in row, row

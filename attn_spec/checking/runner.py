@@ -159,16 +159,21 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
 RUN_FIRST = ("matches-reference",)
 
 
+NOT_RUN = "stopped at the first failure"  # the message of each property --exitfirst left out
+
+
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
-                 devices=None, progress=None, require=None, exitfirst=False) -> TargetReport:
-    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target."""
+                 devices=None, progress=None, require=None, exitfirst=False, expected=()) -> TargetReport:
+    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target.
+
+    ``exitfirst``: after the first failure of a property not in ``expected`` (an expectations file's
+    ids), the rest are ``not-run``."""
     report = TargetReport(target.name, target.convention)
     dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
     results = {}
     for i, prop in enumerate(sorted(props, key=lambda p: p.id not in RUN_FIRST)):
-        if exitfirst and any(r.status in ("fail", "error") for r in results.values()):
-            results[prop.id] = PropertyResult(prop.id, "skip", "not run: --exitfirst stopped at the first failure",
-                                              statement=prop.statement)
+        if exitfirst and any(r.status in ("fail", "error") and r.id not in expected for r in results.values()):
+            results[prop.id] = PropertyResult(prop.id, "not-run", NOT_RUN, statement=prop.statement)
             continue
         if progress:
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")

@@ -1,3 +1,3 @@
 """Subcommands of ``attn-spec``: each module here provides ``add_parser`` and ``run``."""
 
-COMMANDS = ("check", "grade", "list", "explain")
+COMMANDS = ("check", "config", "grade", "list", "explain")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from attn_spec.cli import EXIT_OK, EXIT_USAGE
+from attn_spec.cli import EXIT_OK, usage_error
 
 
 def add_parser(commands) -> None:
@@ -20,7 +20,6 @@ def run(args) -> int:
     from attn_spec.lessons import render
 
     if args.id not in REGISTRY:
-        print(f"attn-spec: unknown property id {args.id!r}; known ids:\n  " + "\n  ".join(REGISTRY), file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(args, f"unknown property id {args.id!r}; known ids:\n  " + "\n  ".join(REGISTRY))
     sys.stdout.write(render(args.id, args.format))
     return EXIT_OK

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE
+from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
 
 GRADE_EPILOG = """\
 Examples:
@@ -87,8 +87,7 @@ def run(args) -> int:
     problem = ("give SUBMISSIONS and --out DIR (or --print-rubric)" if not args.submissions or not args.out
                else f"--jobs must be at least 1, got {args.jobs}" if args.jobs < 1 else _check_folders(args))
     if problem:
-        print(f"attn-spec: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(args, problem)
     from attn_spec.grading.isolation.zygote import launch
 
     launched = launch()  # the warm worker imports torch while this process loads the catalog

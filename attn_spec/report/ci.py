@@ -23,20 +23,22 @@ def to_junit(report: Report) -> str:
         suite = ET.SubElement(suites, "testsuite", name=t.target, time=f"{seconds:.3f}",
                               **{k: str(v) for k, v in counts.items()})
         props = ET.SubElement(suite, "properties")
-        for name, value in (("convention", t.convention), ("profile", report.profile), ("seed", report.seed),
+        for name, value in (("verdict", t.verdict), ("convention", t.convention), ("profile", report.profile),
+                            ("seed", report.seed),
                             ("torch", report.torch_version), ("kit_version", report.kit_version)):
             ET.SubElement(props, "property", name=name, value=str(value))
         for p in t.properties:
             case = ET.SubElement(suite, "testcase", name=p.id, classname=f"attn-spec.{t.target}",
                                  time=f"{p.seconds:.3f}")
             if p.expected:
-                ET.SubElement(case, "skipped", message=f"expected {p.status} (expectations file): {p.message}")
+                kind = "skip" if p.status == "skip" else "failure"
+                ET.SubElement(case, "skipped", message=f"expected {kind} (listed in {report.expect}): {p.message}")
             elif p.status in ("fail", "error"):
                 element = ET.SubElement(case, "failure" if p.status == "fail" else "error",
                                         message=p.message, type=p.cause or p.status)
                 element.text = failure_section(p, markdown=False)
-            elif p.status == "skip":
-                ET.SubElement(case, "skipped", message=p.message)
+            elif p.status in ("skip", "not-run"):
+                ET.SubElement(case, "skipped", message=p.message if p.status == "skip" else f"not run: {p.message}")
         for key in totals:
             totals[key] += counts[key]
         total_time += seconds
@@ -50,8 +52,11 @@ def _escape(text: str) -> str:  # GitHub workflow-command escaping
 
 
 def github_annotations(report: Report) -> list[str]:
-    """``::error`` lines for unexpected failures, ``::warning`` lines for the report's warnings."""
-    lines = []
+    """``::error`` lines for unexpected failures, ``::warning`` lines for the report's warnings, and a
+    ``::notice`` with each target's verdict (and the run's summary line when there are several)."""
+    lines = [f"::notice title={_escape(f'attn-spec: {t.target}')}::{_escape(t.verdict)}" for t in report.targets]
+    if len(report.targets) > 1:
+        lines.append(f"::notice title=attn-spec::{_escape(report.summary_line())}")
     for t in report.targets:
         for p in t.properties:
             if p.status in ("fail", "error") and not p.expected:
@@ -84,9 +89,10 @@ class Expectations:
         known = set(REGISTRY) | {p.id for t in report.targets for p in t.properties}
         for unknown in sorted(set(self.ids) - known):
             report.warnings.append(f"{self.path}: {unknown!r} matches no property id")
+        report.expect = self.path
         for t in report.targets:
             for p in t.properties:
-                if p.id not in self.ids:
+                if p.id not in self.ids or p.status == "not-run":
                     continue
                 if p.status in ("fail", "error", "skip"):
                     p.expected = True

@@ -113,19 +113,22 @@ def _failure(p) -> str:
 
 
 def _target(t) -> str:
-    failed = [p for p in t.properties if p.status in ("fail", "error") and not p.expected]
-    verdict = ('<span class="ok">CONFORMS</span>' if t.conforms else
-               f'<span class="bad">DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)</span>')
+    verdict = f'<span class="{"ok" if t.conforms else "bad"}">{escape(t.verdict)}</span>'
     out = [f"<h2>{escape(t.target)} ({escape(t.convention)} convention): {verdict}</h2>"]
     out += [f'<p class="meta">{escape(line)}</p>' for line in header_lines(t)]
     rows = []
     for p in t.properties:
+        if p.status == "not-run":
+            continue
         verdict = p.status + (f" (blocked by {p.blocked_by})" if p.blocked_by else "") + (" (expected)" if p.expected else "")
         rows.append(f'<tr><td>{escape(p.id)}</td><td class="{escape(p.status)}">{escape(verdict)}</td>'
                     f"<td>{p.examples}</td><td>{p.seconds:.2f}s</td></tr>")
     out.append('<table class="summary"><tr><th>property</th><th>verdict</th><th>examples</th><th>time</th></tr>'
                + "".join(rows) + "</table>")
-    for p in failed:
+    not_run = [p for p in t.properties if p.status == "not-run"]
+    if not_run:
+        out.append(f'<p class="meta">{len(not_run)} not run: {escape(not_run[0].message)}</p>')
+    for p in t.failures:
         if p.blocked_by:
             out.append(f"<p>{escape(p.id)} is blocked by {escape(p.blocked_by)}: fix that first ({escape(p.message)})</p>")
         else:
@@ -139,6 +142,8 @@ def to_html(report) -> str:
             f"{report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
     body = "".join(_target(t) for t in report.targets)
     warnings = "".join(f"<p class=\"meta\">warning: {escape(w)}</p>" for w in report.warnings)
+    if len(report.targets) > 1:
+        warnings += f"<p><b>{escape(report.summary_line())}</b></p>"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>attn-spec conformance report"
             f"</title><style>{CSS}</style></head><body><h1>Conformance report</h1><p class=\"meta\">{escape(meta)}</p>"
             f"{body}{warnings}</body></html>\n")

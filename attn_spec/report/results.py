@@ -9,7 +9,7 @@ import torch
 @dataclass
 class PropertyResult:
     id: str
-    status: str  # "pass" | "fail" | "error" | "skip"
+    status: str  # "pass" | "fail" | "error" | "skip" | "not-run" (-x stopped before it)
     message: str = ""
     statement: str = ""
     cause: str = ""
@@ -39,10 +39,32 @@ class TargetReport:
 
     @property
     def conforms(self) -> bool:
-        return all(p.status in ("pass", "skip") or p.expected for p in self.properties)
+        return all(p.status in ("pass", "skip", "not-run") or p.expected for p in self.properties)
+
+    @property
+    def failures(self) -> list[PropertyResult]:
+        """Failures that fail the gate (not listed in an expectations file)."""
+        return [p for p in self.properties if p.status in ("fail", "error") and not p.expected]
+
+    @property
+    def expected_failures(self) -> list[PropertyResult]:
+        return [p for p in self.properties if p.status in ("fail", "error") and p.expected]
+
+    @property
+    def verdict(self) -> str:
+        """``CONFORMS``, ``CONFORMS (2 expected failures: a, b)`` or ``DOES NOT CONFORM (1 of 3 properties fail)``:
+        the one line the text, markdown, HTML and JUnit reports all head a target with."""
+        run = [p for p in self.properties if p.status != "not-run"]
+        expected = self.expected_failures
+        known = (f"{len(expected)} expected failure{'s' if len(expected) != 1 else ''}: "
+                 f"{', '.join(p.id for p in expected)}") if expected else ""
+        if self.conforms:
+            return f"CONFORMS ({known})" if known else "CONFORMS"
+        return f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{'; ' + known if known else ''})"
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
+                "verdict": self.verdict,
                 "calls": self.calls, "behaviours": dict(self.behaviours),
                 "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
                 "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
@@ -59,15 +81,41 @@ class Report:
     devices: list[str] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # e.g. stale lines of an expectations file
+    expect: str | None = None  # the expectations file applied (--expect), if any
 
     @property
     def conforms(self) -> bool:
         return all(t.conforms for t in self.targets)
 
+    def summary(self) -> dict:
+        """The counts of the whole run (the summary line of a multi-target run)."""
+        props = [p for t in self.targets for p in t.properties]
+        return {"targets": len(self.targets), "conforming": sum(t.conforms for t in self.targets),
+                "failures": sum(len(t.failures) for t in self.targets),
+                "expected_failures": sum(len(t.expected_failures) for t in self.targets),
+                "skips": sum(p.status == "skip" for p in props), "not_run": sum(p.status == "not-run" for p in props),
+                "seed": self.seed}
+
+    def summary_line(self) -> str:
+        """``3 targets: 2 conform, 1 does not · 4 failures, 13 expected failures, 9 skips · seed 2026 ...``"""
+        s = self.summary()
+
+        def n(count, word):
+            return f"{count} {word}{'' if count == 1 else 's'}"
+
+        verdicts = f"{s['conforming']} conform{'s' if s['conforming'] == 1 else ''}"
+        if s["targets"] > s["conforming"]:
+            verdicts += f", {s['targets'] - s['conforming']} {'does' if s['targets'] - s['conforming'] == 1 else 'do'} not"
+        counts = [n(s["failures"], "failure"), n(s["expected_failures"], "expected failure"), n(s["skips"], "skip")]
+        counts += [f"{s['not_run']} not run"] if s["not_run"] else []
+        return (f"{n(s['targets'], 'target')}: {verdicts} · {', '.join(counts)} · "
+                f"seed {s['seed']} (--seed {s['seed']} reruns these cases)")
+
     def to_dict(self) -> dict:
         return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
                 "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
-                "conforms": self.conforms, "warnings": list(self.warnings),
+                "conforms": self.conforms, "warnings": list(self.warnings), "expect": self.expect,
+                "summary": self.summary(),
                 "targets": [t.to_dict() for t in self.targets]}
 
     def to_json(self) -> str:

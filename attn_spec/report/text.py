@@ -87,6 +87,8 @@ def header_lines(t: TargetReport) -> list[str]:
 
 def _summary_rows(target: TargetReport):
     for p in target.properties:
+        if p.status == "not-run":
+            continue  # one line below the table says how many and why
         verdict = p.status if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
         verdict += " (expected)" if p.expected else ""
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
@@ -128,9 +130,7 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
               f"torch {report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
     out.append(f"# Conformance report\n\n{header}" if markdown else header)
     for t in report.targets:
-        failed = [p for p in t.properties if p.status in ("fail", "error") and not p.expected]
-        verdict = "CONFORMS" if t.conforms else f"DOES NOT CONFORM ({len(failed)} of {len(t.properties)} properties fail)"
-        title = f"{t.target} ({t.convention} convention): {verdict}"
+        title = f"{t.target} ({t.convention} convention): {t.verdict}"
         out.append(f"\n## {title}\n" if markdown else f"\n{title}")
         for line in header_lines(t):
             out.append(f"{line}\n" if markdown else line)
@@ -139,11 +139,16 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
         skipped = [p for p in t.properties if p.status == "skip"]
         for p in skipped:
             out.append(f"{'- ' if markdown else '  '}skipped {p.id}: {p.message}")
-        for p in failed:
+        not_run = [p for p in t.properties if p.status == "not-run"]
+        if not_run:
+            out.append(f"{'- ' if markdown else '  '}{len(not_run)} not run: {not_run[0].message}")
+        for p in t.failures:
             if p.blocked_by:
                 out.append(f"\n{'- ' if markdown else ''}{p.id} is blocked by {p.blocked_by}: fix that first "
                            f"({p.message})")
             else:
                 out.append("\n" + failure_section(p, markdown, colour))
     out += [f"\n{'- ' if markdown else ''}warning: {w}" for w in report.warnings]
+    if len(report.targets) > 1:
+        out.append(f"\n**{report.summary_line()}**" if markdown else f"\n{report.summary_line()}")
     return "\n".join(out) + "\n"

@@ -123,6 +123,6 @@ def parse_requirements(items) -> dict[str, str]:
         key, _, value = item.partition("=")
         if key not in VALUES or value not in VALUES[key]:
             problem = f"unknown behaviour {key!r}" if key not in VALUES else f"unknown value {value!r} for {key}"
-            raise KitUsageError(f"--require {item}: {problem}; valid: {valid}")
+            raise KitUsageError(f"{item!r}: {problem}; valid: {valid}")
         required[key] = value
     return required

@@ -94,6 +94,6 @@ def parse_capabilities(items) -> list[str]:
     names = [item for item in items or () if "=" not in item]
     unknown = [name for name in names if name not in CAPABILITIES]
     if unknown:
-        raise KitUsageError(f"--require {unknown[0]}: unknown capability; capabilities: {', '.join(CAPABILITIES)} "
+        raise KitUsageError(f"{unknown[0]!r} is not a capability; capabilities: {', '.join(CAPABILITIES)} "
                             f"(or a convention as key=value, see attn_spec.targets.behaviours)")
     return names

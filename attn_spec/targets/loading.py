@@ -42,14 +42,16 @@ def _import_file(path: Path):
     return module
 
 
-def _import(where: str):
+def _import(where: str, root: str | None = None):
     if where.endswith(".py") or os.sep in where or "/" in where:
         path = Path(where).expanduser().resolve()
         if not path.is_file():
             raise TargetLoadError(f"Cannot load target: no file {where!r} (looked for {path}). {FORMAT_HINT}")
         return _import_file(path)
-    cwd = os.getcwd()
-    sys.path.insert(0, cwd)  # as with `python -m`: modules in the current directory are importable
+    # As with `python -m`, modules in the current directory are importable; ``root`` (the folder of
+    # the pyproject.toml that named the target) too, so a check run from a subfolder finds them.
+    extra = list(dict.fromkeys([os.getcwd(), *([root] if root else [])]))
+    sys.path[:0] = extra
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as exc:
@@ -58,18 +60,21 @@ def _import(where: str):
                                   f"(is it installed, or on PYTHONPATH?). {FORMAT_HINT}") from None
         raise
     finally:
-        sys.path.remove(cwd)
+        for folder in extra:
+            sys.path.remove(folder)
 
 
-def load_target(spec: str):
-    """Import and return the object named by ``spec``; raises TargetLoadError with a readable message."""
+def load_target(spec: str, root: str | None = None):
+    """Import and return the object named by ``spec``; raises TargetLoadError with a readable message.
+
+    ``root``: a folder whose modules are importable too (a pyproject.toml's, for the targets it names)."""
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise TargetLoadError(f"Cannot load target {spec!r}: it names no object. {FORMAT_HINT}")
     dont_write = sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # leave no __pycache__ beside the user's file
     try:
-        module = _import(where)
+        module = _import(where, root)
     except TargetLoadError:
         raise
     except BaseException as exc:  # the user's module raised (or exited) while importing

@@ -1,0 +1,397 @@
+"""Every setting of attn-spec, defined once: name, type, choices, default and help.
+
+From this one table come the ``attn-spec check`` flags, the environment variables
+(``ATTN_SPEC_PROFILE``, ...), the ``[tool.attn-spec]`` table of ``pyproject.toml``, the pytest
+plugin's ``--attn-*`` options and ini keys (``attn_profile``, ...), and ``attn-spec config``.
+Layers, highest first: command line > environment > pytest ini keys (pytest only) >
+``pyproject.toml`` > defaults; the pytest marker's keywords sit above them all for its test.
+A bad value names where it came from::
+
+    profile='huge' from pyproject.toml [tool.attn-spec]: must be one of quick, default, thorough
+
+This module imports no torch: ``attn-spec --help``, ``attn-spec config`` and the pytest plugin's
+option registration stay cheap. The choices below are checked against the kit's own lists by
+``tests/test_settings.py``; a new convention, dtype or capability is added here too.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from attn_spec.errors import KitUsageError
+
+TABLE = "[tool.attn-spec]"
+PRECEDENCE = "command line > environment > pyproject.toml > defaults"
+CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
+PROFILES = ("quick", "default", "thorough")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+CAPABILITIES = ("mask", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
+                "float64", "float16", "bfloat16")
+BEHAVIOURS = ("fully-masked", "mask-polarity", "masked-nan", "causal-alignment", "weights-returned")
+
+
+class SettingError(KitUsageError):
+    """A setting's value is invalid; the message names the setting, the value and where it came from."""
+
+
+def _shape(item: str) -> str | None:
+    fields = item.split(",")
+    if len(fields) not in (4, 6) or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+        return f"{item!r} is not B,H,N,D or B,H,HKV,NQ,NKV,D (positive integers)"
+    return None
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the key in [tool.attn-spec]; flags, variables and ini keys derive from it
+    help: str
+    kind: str = "str"  # str | int | bool | list
+    choices: tuple[str, ...] = ()
+    default: Any = None
+    metavar: str = ""
+    flags: tuple[str, ...] = ()  # attn-spec check's flags (default: --NAME)
+    positional: bool = False  # attn-spec check takes it as positional arguments (TARGET ...)
+    plugin_flag: str = ""  # the pytest plugin's flag (default: --attn-NAME)
+    split: str = r"[,\s]+"  # how one string becomes a list
+    item: Callable[[str], str | None] | None = None  # why one list item is invalid, or None
+    paths: str = ""  # "file": a path; "targets": TARGET specs (file paths in them are paths)
+    pending: str = ""  # the issue that brings the feature: until it lands, the setting is not offered
+    unset: str = "none"  # what no value means, as `attn-spec config` shows it
+
+    @property
+    def dest(self) -> str:  # the API keyword and the argparse dest of `attn-spec check`
+        return self.name.replace("-", "_")
+
+    @property
+    def cli_flags(self) -> tuple[str, ...]:
+        return self.flags or (f"--{self.name}",)
+
+    @property
+    def pytest_flag(self) -> str:
+        return self.plugin_flag or f"--attn-{self.name}"
+
+    @property
+    def ini(self) -> str:  # the pytest ini key: the plugin flag without dashes, e.g. attn_profile
+        return self.pytest_flag[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "ATTN_SPEC_" + self.name.upper().replace("-", "_")
+
+
+_SETTINGS = (
+    Setting("targets", "attention to check: path/to/file.py:name or package.module:name; several allowed",
+            kind="list", metavar="TARGET", positional=True, plugin_flag="--attn-target", paths="targets", unset="none"),
+    Setting("convention", f"force the targets' calling convention: {', '.join(CONVENTIONS)} (default: detected)",
+            choices=CONVENTIONS, metavar="NAME", unset="detected"),
+    Setting("profile", f"how hard to look: {', '.join(PROFILES)} (default: default)", choices=PROFILES,
+            default="default", metavar="NAME"),
+    Setting("seed", "seed for a reproducible run (default: random, printed in the report)", kind="int", metavar="N", unset="random"),
+    Setting("only", "run only these property ids (attn-spec list)", kind="list", metavar="ID", unset="all"),
+    Setting("skip", "skip these property ids", kind="list", metavar="ID"),
+    Setting("dtypes", f"check only these dtypes: {', '.join(DTYPES)} (default: all)", kind="list",
+            choices=DTYPES, metavar="DTYPE", unset="all"),
+    Setting("devices", "check on these devices: cpu, cuda, mps, or all available ones (default: all); with "
+            "several, outputs must also agree across devices", kind="list", choices=("cpu", "cuda", "mps", "all"),
+            metavar="DEVICE", flags=("--device", "--devices"), unset="all available"),
+    Setting("require", f"fail unless the target has this capability ({', '.join(CAPABILITIES)}) or behaviour "
+            f"(KEY=VALUE as in the report header; keys: {', '.join(BEHAVIOURS)})", kind="list",
+            metavar="CAPABILITY|KEY=VALUE"),
+    Setting("expect", "file of properties known to fail or skip, one id per line with a # comment: they do not "
+            "fail the run, and stale lines are reported", metavar="FILE", paths="file"),
+    Setting("masks", "mask kinds the targets take: bool, additive (default: bool)", kind="list",
+            choices=("bool", "additive"), metavar="KIND", pending="issue 12", unset="bool"),
+    Setting("inference-only", "an inference kernel: no autograd needed, gradients is a skip", kind="bool",
+            default=False, pending="issue 12"),
+    Setting("layout", "input layout of function and sdpa targets: bhsd or bshd (default: detected)",
+            choices=("bhsd", "bshd"), metavar="LAYOUT", pending="issue 15", unset="detected"),
+    Setting("shapes", "check at these shapes: B,H,N,D or B,H,HKV,NQ,NKV,D", kind="list", split=r"\s+",
+            item=_shape, metavar="SHAPE", pending="issue 16"),
+)
+SETTINGS: dict[str, Setting] = {s.name: s for s in _SETTINGS}
+
+
+def offered() -> list[Setting]:
+    """The settings this version takes (a pending one is listed above but not yet offered)."""
+    return [s for s in SETTINGS.values() if not s.pending]
+
+
+# -- one value from one source ---------------------------------------------------------------------
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse(s: Setting, raw: Any) -> Any:
+    """``raw`` (a string, or a TOML/Python value) as the setting's type; KitUsageError(why) otherwise."""
+    if s.kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise KitUsageError("must be true or false")
+    if s.kind == "int":
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and re.fullmatch(r"\s*-?\d+\s*", raw):
+            return int(raw)
+        raise KitUsageError("must be an integer")
+    if s.kind == "list":
+        items = [raw] if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise KitUsageError("must be a list of strings, or one string")
+        values = [v for i in items for v in re.split(s.split, i.strip()) if v]
+        bad = [v for v in values if s.choices and v not in s.choices]
+        if bad:
+            raise KitUsageError(f"{bad[0]!r} is not one of {', '.join(s.choices)}")
+        for v in values:
+            if s.item and s.item(v):
+                raise KitUsageError(s.item(v))
+        if "all" in values and len(values) > 1:
+            raise KitUsageError("'all' stands alone")
+        return values
+    if not isinstance(raw, str) or not raw.strip():
+        raise KitUsageError("must be a non-empty string")
+    if s.choices and raw.strip() not in s.choices:
+        raise KitUsageError(f"must be one of {', '.join(s.choices)}")
+    return raw.strip()
+
+
+def _relative(path: str, base: Path | None) -> str:
+    """A path written relative to ``base`` (a config file's folder), as seen from the current directory."""
+    if base is None or os.path.isabs(os.path.expanduser(path)):
+        return path
+    return os.path.relpath(base / path)
+
+
+def _is_file_spec(where: str) -> bool:  # as attn_spec.targets.loading decides
+    return where.endswith(".py") or os.sep in where or "/" in where
+
+
+def _rebase(s: Setting, value: Any, base: Path | None) -> Any:
+    if s.paths == "file":
+        return _relative(value, base)
+    if s.paths == "targets":
+        specs = []
+        for spec in value:
+            where, sep, attr = spec.rpartition(":")
+            specs.append(f"{_relative(where, base)}:{attr}" if sep and _is_file_spec(where) else spec)
+        return specs
+    return value
+
+
+# -- layers ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layer:
+    """Values from one source: ``values`` maps a setting name to its raw value, ``where(setting)``
+    names the source of one of them, and relative paths are relative to ``base`` (None: the cwd)."""
+
+    values: Mapping[str, Any]
+    where: Callable[[Setting], str]
+    base: Path | None = None
+
+
+def command_line(args, *, pytest_flags: bool = False) -> Layer:
+    """The settings given as flags: ``args`` is the parsed namespace (``attn-spec check``, or pytest's
+    ``config.option`` with ``pytest_flags``); unset flags are None or []."""
+    values = {}
+    for s in offered():
+        value = getattr(args, s.ini if pytest_flags else s.dest, None)
+        if value not in (None, []):
+            values[s.name] = value
+
+    def where(s: Setting) -> str:
+        flag = s.pytest_flag if pytest_flags else s.metavar if s.positional else s.cli_flags[0]
+        return f"the command line ({flag})"
+
+    return Layer(values, where)
+
+
+def environment(environ: Mapping[str, str] | None = None) -> Layer:
+    environ = os.environ if environ is None else environ
+    values = {s.name: environ[s.env] for s in SETTINGS.values() if environ.get(s.env, "").strip()}
+    return Layer(values, lambda s: f"environment {s.env}")
+
+
+def find_pyproject(start: str | os.PathLike | None = None) -> Path | None:
+    """The nearest pyproject.toml with a [tool.attn-spec] table, from ``start`` (default: cwd) up."""
+    folder = Path(start or os.getcwd()).resolve()
+    for candidate in (folder, *folder.parents):
+        path = candidate / "pyproject.toml"
+        if path.is_file() and "tool" in (data := _read_toml(path)) and "attn-spec" in data["tool"]:
+            return path
+    return None
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        if "attn-spec" in path.read_text(encoding="utf-8", errors="replace"):
+            raise SettingError(f"{os.path.relpath(path)}: not valid TOML: {exc}") from None
+        return {}  # another tool's broken file: not ours to judge
+
+
+def pyproject(path: Path | None) -> Layer:
+    """The ``[tool.attn-spec]`` table of ``path``; an unknown key is an error that suggests the right one."""
+    if path is None:
+        return Layer({}, lambda s: "")
+    table = _read_toml(path).get("tool", {}).get("attn-spec", {})
+    label = f"{os.path.relpath(path)} {TABLE}"
+    if not isinstance(table, dict):
+        raise SettingError(f"{label} must be a table")
+    for key in table:
+        if key not in SETTINGS:
+            close = difflib.get_close_matches(key.replace("_", "-"), SETTINGS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SettingError(f"{label}: unknown key {key!r}{hint}; known keys: {', '.join(SETTINGS)}")
+    return Layer(table, lambda s: label, base=path.parent)
+
+
+def keywords(values: Mapping[str, Any], label: str, base: Path | None = None) -> Layer:
+    """Python keywords (``inference_only=True``) as a layer: the API's arguments, the pytest marker's.
+    ``label`` names the source, with ``{key}`` for the keyword: "the keyword argument {key}"."""
+    layer = {}
+    for key, value in values.items():
+        name = key.replace("_", "-")
+        if name not in SETTINGS:
+            raise SettingError(f"{label.format(key=key)}: unknown keyword; known: "
+                               f"{', '.join(s.dest for s in offered())}")
+        if value is not None:
+            layer[name] = value
+    return Layer(layer, lambda s: label.format(key=s.dest), base=base)
+
+
+# -- the result ------------------------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    """The effective value of every offered setting, with where each came from."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]  # name -> "environment ATTN_SPEC_PROFILE", "default", ...
+    raw: dict[str, Any] = field(default_factory=dict)  # name -> the value as written, for messages
+    pyproject: Path | None = None
+    bases: dict[str, str | None] = field(default_factory=dict)  # name -> folder its relative paths started from
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def error(self, name: str, why: str) -> SettingError:
+        """``profile='huge' from environment ATTN_SPEC_PROFILE: must be one of ...``."""
+        shown = self.raw.get(name, self.values[name])
+        return SettingError(f"{name}={shown!r} from {self.sources[name]}: {why}")
+
+    def given(self) -> dict[str, Any]:
+        """API keywords for the settings that are not defaults (pending ones never appear)."""
+        return {SETTINGS[n].dest: v for n, v in self.values.items() if self.sources[n] != "default"}
+
+    def to_wire(self) -> dict:
+        """A JSON-able copy, for pytest-xdist workers (which may run on another host)."""
+        return {"values": self.values, "sources": self.sources, "raw": self.raw, "bases": self.bases,
+                "pyproject": str(self.pyproject) if self.pyproject else None}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "Settings":
+        return cls(data["values"], data["sources"], data["raw"],
+                   Path(data["pyproject"]) if data["pyproject"] else None, data["bases"])
+
+
+def resolve(layers: list[Layer], pyproject_path: Path | None = None) -> Settings:
+    """Each offered setting from the first layer that has it (highest first), else its default."""
+    settings = Settings({}, {}, pyproject=pyproject_path)
+    for s in SETTINGS.values():
+        for layer in layers:
+            if s.name not in layer.values:
+                continue
+            raw, source = layer.values[s.name], layer.where(s)
+            if s.pending:
+                raise SettingError(f"{s.name}={raw!r} from {source}: this version of attn-spec does not have "
+                                   f"it yet ({s.pending})")
+            try:
+                value = _parse(s, raw)
+            except KitUsageError as exc:
+                raise SettingError(f"{s.name}={raw!r} from {source}: {exc}") from None
+            settings.values[s.name], settings.sources[s.name] = _rebase(s, value, layer.base), source
+            settings.raw[s.name] = raw
+            settings.bases[s.name] = None if layer.base is None else str(layer.base)
+            break
+        else:
+            if not s.pending:
+                default = list(s.default) if isinstance(s.default, list) else s.default
+                settings.values[s.name] = [] if s.kind == "list" and default is None else default
+                settings.sources[s.name] = "default"
+    return settings
+
+
+def overlay(settings: Settings, layer: Layer) -> Settings:
+    """``settings`` with the values of ``layer`` on top (the pytest marker's keywords over the run's)."""
+    top = resolve([layer], settings.pyproject)
+    merged = Settings(dict(settings.values), dict(settings.sources), dict(settings.raw), settings.pyproject,
+                      dict(settings.bases))
+    for name in layer.values:
+        for part in ("values", "sources", "raw", "bases"):
+            getattr(merged, part)[name] = getattr(top, part)[name]
+    return merged
+
+
+def load(*top: Layer, start: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
+         environ=None, below: tuple[Layer, ...] = ()) -> Settings:
+    """``top`` layers (command line, keywords) over the environment over ``below`` (pytest's ini keys)
+    over pyproject.toml over defaults. The pyproject.toml is ``path`` (a file, or a folder to search
+    up from), else the nearest one with a [tool.attn-spec] table from ``start`` (default: cwd) up."""
+    if path is not None and not Path(path).is_file():
+        start, path = path, None
+    found = Path(path).resolve() if path is not None else find_pyproject(start)
+    return resolve([*top, environment(environ), *below, pyproject(found)], found)
+
+
+def stray_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """ATTN_SPEC_* variables that name no setting (a typo is otherwise silently ignored)."""
+    environ = os.environ if environ is None else environ
+    known = {s.env for s in SETTINGS.values()}
+    return sorted(k for k in environ if k.startswith("ATTN_SPEC_") and k not in known)
+
+
+# -- the flags, derived ----------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    """The settings as ``attn-spec check`` flags (``attn-spec config`` takes the same). Values stay raw
+    strings here; :func:`resolve` parses them, so a bad one reads the same from every source."""
+    import argparse
+
+    for s in offered():
+        if s.positional:
+            parser.add_argument(s.dest, nargs="*", metavar=s.metavar,
+                                help=f"{s.help} (default: targets from {TABLE} in pyproject.toml)")
+        elif s.kind == "bool":
+            parser.add_argument(*s.cli_flags, dest=s.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=s.help)
+        elif s.kind == "list":
+            parser.add_argument(*s.cli_flags, dest=s.dest, nargs="+", action="extend", default=[],
+                                metavar=s.metavar, help=s.help)
+        else:
+            parser.add_argument(*s.cli_flags, dest=s.dest, metavar=s.metavar, help=s.help)
+
+
+def add_pytest_options(parser) -> None:
+    """The same settings as the pytest plugin's ``--attn-*`` options and ini keys, with the same help."""
+    import argparse
+
+    group = parser.getgroup("attn-spec", "attn-spec: check attention implementations against the property catalog")
+    for s in offered():
+        if s.kind == "bool":
+            group.addoption(s.pytest_flag, dest=s.ini, action=argparse.BooleanOptionalAction, default=None,
+                            help=s.help)
+        elif s.kind == "list":
+            group.addoption(s.pytest_flag, dest=s.ini, action="append", default=[], metavar=s.metavar,
+                            help=f"{s.help} (comma-separated; may repeat)")
+        else:
+            group.addoption(s.pytest_flag, dest=s.ini, metavar=s.metavar, help=s.help)
+        parser.addini(s.ini, help=s.help, type="linelist" if s.kind == "list" else "string")
