@@ -117,12 +117,13 @@ class AttnSpecSession:
         c = self.checker
         lines = [f"attn-spec {__version__}: profile {c.profile}, --attn-seed={self.seed}, "
                  f"torch {torch.__version__}, devices {', '.join(c.plan.devices)}"]
-        by_source: dict[str, list[str]] = {}
+        by_source: dict[str, list[str]] = {}  # settings not on the command line, where the user may not look
         for name, source in self.settings.sources.items():
-            if source != "default":
+            if source != "default" and not source.startswith("the command line"):
                 by_source.setdefault(source.rsplit(" attn_", 1)[0], []).append(name)
-        lines.append("attn-spec settings: " + "; ".join(f"{', '.join(names)} from {source}"
-                                                        for source, names in by_source.items()))
+        if by_source:
+            lines.append("attn-spec settings: " + "; ".join(f"{', '.join(names)} from {source}"
+                                                            for source, names in by_source.items()))
         lines += [f"attn-spec target: {spec} ({target.convention} convention)" for spec, target in c.targets.items()]
         return lines
 
