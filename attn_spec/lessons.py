@@ -252,3 +252,84 @@ EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, 
             "linearity": _ex_linearity, "stability": _ex_stability, "batch": _ex_batch, "dtype": _ex_dtype,
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
             "multihead": _ex_multihead}
+
+
+# Mistake models: ``attn-spec explain MISTAKE-ID`` (the catalog of attn_spec.diagnosis).
+
+MISTAKE_TITLES = {"does": "What the wrong code does", "fix": "The fix", "code": "The wrong code, as the kit models it",
+                  "recognise": "How the kit recognises it", "example": "Worked example (computed now)"}
+
+
+def mistake_sections(mistake_id: str) -> dict:
+    """The sections of one mistake model's lesson as plain data; KeyError for an unknown id."""
+    from attn_spec.diagnosis import MISTAKES
+
+    m = MISTAKES[mistake_id]
+    shown = ", ".join(m.caught_by) or "any property whose calls it reproduces"
+    recognise = (f"When a target fails, the kit replays each failing property on its minimal case, keeps every "
+                 f"call into the target, and runs this model on the same inputs. It names {m.id} when the model "
+                 f"reproduces every call within the error budget (the same exception where the target raised, "
+                 f"NaN where it gave NaN) and differs from the correct formula somewhere. Shown at: {shown}.")
+    if m.level == "stochastic":
+        recognise = ("Randomness cannot be replayed, only recognised: the kit reads the weights of one input "
+                     f"several times (V = identity) and {m.id} names what the differences look like.")
+    if isinstance(m.params, dict):
+        recognise += " Its number is fitted to the failing call, then checked on every other call."
+    elif m.params and m.level != "stochastic":
+        recognise += f" Settings tried: {', '.join(', '.join(f'{k}={v:g}' for k, v in p.items()) for p in m.params)}."
+    return {"id": m.id, "family": m.family, "level": m.level, "does": m.describe(), "fix": m.fix_for(),
+            "code": m.code, "recognise": recognise, "example": _mistake_example(m)}
+
+
+def _mistake_example(m) -> str:
+    """The model next to the correct formula on the lessons' Q, K, V (a causal mask where it matters)."""
+    from attn_spec.diagnosis.record import Call
+    from attn_spec.diagnosis.replay import CORRECT, predict
+
+    if m.level == "stochastic":
+        return ""
+    mask = reference.causal_mask(2, 2) if m.family == "masking" else None
+    if m.level == "module":
+        x = _t([[1.0, 0.5], [-1.0, 2.0]])
+        eye = torch.eye(2, dtype=F64)
+        call = Call("multihead", {"x_q": x, "x_kv": x, "weights": {"W_Q": eye, "W_K": eye, "W_V": eye,
+                                                                     "W_O": _t([[1.0, 2.0], [0.0, 1.0]])},
+                                  "n_heads": 2, "mask": mask})
+        lines = [_m("x", x), "2 heads of width 1, W_Q = W_K = W_V = I"]
+    elif m.level == "backward":
+        call = Call("vjp", {"q": Q, "k": K, "v": V, "mask": mask, "grad_out": torch.ones(2, 2, dtype=F64)})
+        lines = _inputs() + ["G = ones: the gradients of sum(out)"]
+    else:
+        call = Call("attend", {"q": Q, "k": K, "v": V, "mask": mask})
+        lines = _inputs()
+    if mask is not None:
+        lines.append(_m("causal mask (True = may attend)", mask.double()))
+    names = ("out", "dQ", "dK", "dV") if m.level == "backward" else ("out",)
+    for who, model in (("correct", CORRECT), (m.id, m)):
+        pred = predict(model, call, m.typical if model is m else None)
+        if pred is None or pred.error:
+            lines.append(f"{who}: raises {pred.error[0] if pred else '?'}: {pred.error[1] if pred else ''}")
+            continue
+        parts = pred.out if isinstance(pred.out, tuple) else (pred.out,)
+        for name, part in zip(names if m.level == "backward" else ("out", "weights"), parts):
+            if isinstance(part, torch.Tensor):
+                lines.append(_m(f"{who}: {name}", part.detach().double()))
+    return "\n".join(lines)
+
+
+def render_mistake(mistake_id: str, fmt: str = "text") -> str:
+    """One mistake model as a lesson: what it does, the fix, its code, how it is recognised, an example."""
+    e, md = mistake_sections(mistake_id), fmt == "markdown"
+    head = f"{e['id']}: a mistake model\nfamily: {e['family']} · level: {e['level']}"
+    out = [f"# {e['id']}\n\na mistake model · family: {e['family']} · level: {e['level']}" if md else head]
+    for key, title in MISTAKE_TITLES.items():
+        body = e[key]
+        if not body:
+            continue
+        if md:
+            body = f"```python\n{body}\n```" if key == "code" else f"```\n{body}\n```" if key == "example" else body
+            out.append(f"## {title}\n\n{body}")
+        else:
+            wrapped = body if key in ("code", "example") else textwrap.fill(body, 96)
+            out.append(f"{title}\n{textwrap.indent(wrapped, '  ')}")
+    return "\n\n".join(out) + "\n"

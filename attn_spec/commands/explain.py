@@ -1,4 +1,5 @@
-"""``attn-spec explain ID``: one property as a lesson (math, why, bugs, worked example, check, derivation)."""
+"""``attn-spec explain ID``: one property as a lesson (math, why, bugs, worked example, check, derivation),
+or one mistake model (what the wrong code does, the fix, its code, how it is recognised, an example)."""
 from __future__ import annotations
 
 import sys
@@ -7,9 +8,11 @@ from attn_spec.cli import EXIT_OK, usage_error
 
 
 def add_parser(commands) -> None:
-    parser = commands.add_parser("explain", help="explain one property: math, why, typical bugs, a worked example",
-                                 description="Explain one property of the catalog (ids: attn-spec list).")
-    parser.add_argument("id", metavar="ID", help="a property id, e.g. scale-sqrt-dk")
+    parser = commands.add_parser("explain", help="explain one property or mistake: math, why, bugs, a worked example",
+                                 description="Explain one property of the catalog (ids: attn-spec list) or one "
+                                             "mistake model (ids: attn-spec list --mistakes).")
+    parser.add_argument("id", metavar="ID", help="a property id, e.g. scale-sqrt-dk, or a mistake id, e.g. "
+                                                 "scale-one-over-dk")
     parser.add_argument("--format", choices=("text", "markdown"), default="text",
                         help="text (unicode math) or markdown (LaTeX math)")
 
@@ -17,9 +20,14 @@ def add_parser(commands) -> None:
 def run(args) -> int:
     import attn_spec.properties  # noqa: F401 - registers the catalog
     from attn_spec.checking.catalog import REGISTRY
-    from attn_spec.lessons import render
+    from attn_spec.diagnosis import MISTAKES
+    from attn_spec.lessons import render, render_mistake
 
+    if args.id in MISTAKES:
+        sys.stdout.write(render_mistake(args.id, args.format))
+        return EXIT_OK
     if args.id not in REGISTRY:
-        return usage_error(args, f"unknown property id {args.id!r}; known ids:\n  " + "\n  ".join(REGISTRY))
+        return usage_error(args, f"unknown property or mistake id {args.id!r}; property ids:\n  "
+                           + "\n  ".join(REGISTRY) + "\nmistake ids: attn-spec list --mistakes")
     sys.stdout.write(render(args.id, args.format))
     return EXIT_OK

@@ -71,6 +71,16 @@ class Target:
 
     def __init__(self, obj, name: str):
         self.obj, self.name, self.calls = obj, name, 0
+        self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.diagnosis.record)
+
+    def fresh_instances(self) -> None:
+        """Forget built module instances (a module keeping state between calls starts afresh); no-op here."""
+
+    def _observe(self, kind: str, inputs: dict, thunk, label: str = "", state_key: tuple = ()):
+        """``thunk()``, the call into the user's code, kept by the recorder when one is set."""
+        if self.recorder is None:
+            return thunk()
+        return self.recorder.observe(kind, inputs, thunk, label=label, state_key=state_key)
 
     def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False) -> torch.Tensor:
         """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported)."""
@@ -92,6 +102,10 @@ class Target:
         A gradient that does not reach an input comes back as zeros. A target whose output
         is not differentiable at all (detached, computed under no_grad) raises Unsupported.
         """
+        return self._observe("vjp", {"q": q, "k": k, "v": v, "mask": mask, "grad_out": grad_out},
+                             lambda: self._vjp(q, k, v, mask, grad_out), label="backward of <out, G>")
+
+    def _vjp(self, q, k, v, mask, grad_out):
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():
             out = self._attend(*leaves, mask)
@@ -170,7 +184,9 @@ class FunctionTarget(Target):
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
         args = (q, k, v) if mask is None else (q, k, v, mask)
-        return check_output(_call(self.obj, args, call), attend_shape(q, k, v), call)
+        out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask}, lambda: _call(self.obj, args, call),
+                            call)
+        return check_output(out, attend_shape(q, k, v), call)
 
 
 class SdpaTarget(Target):
@@ -195,7 +211,9 @@ class SdpaTarget(Target):
             kwargs["enable_gqa"] = True
         self.calls += 1
         call = f"{self.name}(q, k, v{''.join(f', {key}=...' for key in kwargs)})"
-        return check_output(_call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), attend_shape(q, k, v), call)
+        out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask, "scale": scale, "is_causal": is_causal},
+                            lambda: _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), call)
+        return check_output(out, attend_shape(q, k, v), call)
 
 
 class ModuleTarget(Target):
@@ -205,6 +223,9 @@ class ModuleTarget(Target):
         super().__init__(adapter, name)
         self.adapter, self.convention = adapter, convention
         self._modules = {}  # (d_model, n_heads, dtype, device) -> instance; weights are reloaded per call
+
+    def fresh_instances(self) -> None:
+        self._modules.clear()
 
     def _build(self, d_model, n_heads, weights, dtype, device):
         key = (d_model, n_heads, dtype, str(device))
@@ -237,7 +258,10 @@ class ModuleTarget(Target):
         if module is None:
             module = self._build(x_q.shape[-1], n_heads, weights, x_q.dtype, x_q.device)
         call = "forward(x_q, x_kv, mask)" if mask is not None else "forward(x_q, x_kv)"
-        out = _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call)
+        out = self._observe("multihead", {"x_q": x_q, "x_kv": x_kv, "weights": weights, "n_heads": n_heads,
+                                          "mask": mask},
+                            lambda: _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call),
+                            call, state_key=(x_q.shape[-1], n_heads, x_q.dtype, str(x_q.device)))
         return check_output(out, (x_q.shape[0], x_q.shape[-1]), call)
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):

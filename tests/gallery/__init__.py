@@ -5,6 +5,8 @@
 - ``BUGGY``: the classic mistakes. Each entry names the properties that exist to catch it;
   every one of those must fail. The kill count (buggy entries caught / total) and the false
   alarms (failures on correct variants) are printed at the end of the test run.
+  Each also declares its ``mistake``: the id of the mistake model (``attn-spec list --mistakes``)
+  that the kit's diagnosis must name as the one root of its failures.
 
 Each module of this package registers its entries with ``@correct`` and ``@buggy``.
 """
@@ -20,6 +22,7 @@ class Entry:
     convention: str  # "function" or "module"
     catches: tuple[str, ...] = ()  # property ids that must fail; empty for a correct variant
     bug: str = ""  # what is wrong, in one line
+    mistake: str = ""  # the mistake model the diagnosis must name (attn_spec.diagnosis)
 
     def __str__(self) -> str:  # readable pytest ids
         return self.name
@@ -36,9 +39,9 @@ def correct(convention: str = "function", name: str | None = None):
     return register
 
 
-def buggy(*catches: str, bug: str, convention: str = "function"):
+def buggy(*catches: str, bug: str, mistake: str = "", convention: str = "function"):
     def register(obj):
-        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug))
+        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug, mistake))
         return obj
     return register
 

@@ -133,18 +133,18 @@ class SeedMultiHead(torch.nn.Module):
 # ---------------------------------------------------------------- bugs: softmax axis and normalisation
 
 
-@buggy("rows-sum-to-one", "matches-reference", bug="softmax over the query axis")
+@buggy("rows-sum-to-one", "matches-reference", mistake="softmax-over-queries", bug="softmax over the query axis")
 def softmax_over_queries(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-2).nan_to_num(0.0) @ V
 
 
-@buggy("rows-sum-to-one", "matches-reference", bug="exp without normalisation")
+@buggy("rows-sum-to-one", "matches-reference", mistake="softmax-unnormalised", bug="exp without normalisation")
 def unnormalised_exp(Q, K, V, mask=None):
     scores = _masked(_scores(Q, K), mask)
     return torch.exp(scores - scores.amax(dim=-1, keepdim=True)) @ V
 
 
-@buggy("rows-sum-to-one", "matches-reference", bug="sigmoid instead of softmax")
+@buggy("rows-sum-to-one", "matches-reference", mistake="sigmoid-weights", bug="sigmoid instead of softmax")
 def sigmoid_weights(Q, K, V, mask=None):
     return torch.sigmoid(_masked(_scores(Q, K), mask)) @ V
 
@@ -152,12 +152,13 @@ def sigmoid_weights(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: masks
 
 
-@buggy("causal-mask", "matches-reference", bug="the mask argument is ignored")
+@buggy("causal-mask", "matches-reference", mistake="mask-ignored", bug="the mask argument is ignored")
 def ignores_mask(Q, K, V, mask=None):
     return torch.softmax(_scores(Q, K), dim=-1) @ V
 
 
-@buggy("causal-mask", "matches-reference", bug="mask polarity inverted (True taken as 'ignore')")
+@buggy("causal-mask", "matches-reference",
+       mistake="mask-inverted", bug="mask polarity inverted (True taken as 'ignore')")
 def inverted_mask(Q, K, V, mask=None):
     scores = _scores(Q, K)
     if mask is not None:
@@ -165,7 +166,7 @@ def inverted_mask(Q, K, V, mask=None):
     return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ V
 
 
-@buggy("causal-mask", "matches-reference", bug="mask transposed")
+@buggy("causal-mask", "matches-reference", mistake="mask-transposed", bug="mask transposed")
 def transposed_mask(Q, K, V, mask=None):
     scores = _scores(Q, K)
     if mask is not None:
@@ -181,19 +182,22 @@ def transposed_mask(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: position dependence
 
 
-@buggy("permutation-equivariance", "matches-reference", bug="a positional bias inside attention")
+@buggy("permutation-equivariance", "matches-reference",
+       mistake="positional-bias", bug="a positional bias inside attention")
 def positional_bias(Q, K, V, mask=None):
     bias = 0.5 * torch.arange(K.shape[-2], dtype=Q.dtype, device=Q.device)  # [Tk]
     return torch.softmax(_masked(_scores(Q, K) + bias, mask), dim=-1) @ V
 
 
-@buggy("permutation-equivariance", "matches-reference", bug="a causal mask hard-coded inside")
+@buggy("permutation-equivariance", "matches-reference",
+       mistake="causal-hard-coded", bug="a causal mask hard-coded inside")
 def hard_coded_causal(Q, K, V, mask=None):
     tril = reference.causal_mask(Q.shape[-2], K.shape[-2], device=Q.device)
     return torch.softmax(_masked(_masked(_scores(Q, K), tril), mask), dim=-1).nan_to_num(0.0) @ V
 
 
-@buggy("permutation-equivariance", "matches-reference", bug="values summed cumulatively over keys")
+@buggy("permutation-equivariance", "matches-reference",
+       mistake="values-cumsum", bug="values summed cumulatively over keys")
 def cumulative_values(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V.cumsum(dim=-2)
 
@@ -201,22 +205,23 @@ def cumulative_values(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: scale
 
 
-@buggy("scale-sqrt-dk", "matches-reference", bug="divides by d_k")
+@buggy("scale-sqrt-dk", "matches-reference", mistake="scale-one-over-dk", bug="divides by d_k")
 def scale_one_over_dk(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K, 1 / Q.size(-1)), mask), dim=-1) @ V
 
 
-@buggy("scale-sqrt-dk", "matches-reference", bug="no scaling")
+@buggy("scale-sqrt-dk", "matches-reference", mistake="scale-missing", bug="no scaling")
 def no_scale(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K, 1.0), mask), dim=-1) @ V
 
 
-@buggy("scale-sqrt-dk", "matches-reference", bug="sqrt(64) hard-coded")
+@buggy("scale-sqrt-dk", "matches-reference", mistake="scale-hard-coded", bug="sqrt(64) hard-coded")
 def hard_coded_scale(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K, 1 / 8), mask), dim=-1) @ V
 
 
-@buggy("scale-sqrt-dk", "matches-reference", bug="scale applied twice (Q prescaled, then 1/sqrt(d_k) again)")
+@buggy("scale-sqrt-dk", "matches-reference",
+       mistake="scale-one-over-dk", bug="scale applied twice (Q prescaled, then 1/sqrt(d_k) again)")
 def scale_twice(Q, K, V, mask=None):
     return sdpa(Q / math.sqrt(Q.size(-1)), K, V, mask)
 
@@ -224,19 +229,19 @@ def scale_twice(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: rectangular shapes
 
 
-@buggy("cross-attention-shapes", "matches-reference", bug="K used as the values")
+@buggy("cross-attention-shapes", "matches-reference", mistake="keys-as-values", bug="K used as the values")
 def keys_as_values(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ K
 
 
-@buggy("cross-attention-shapes", bug="default mask built from the query length")
+@buggy("cross-attention-shapes", mistake="default-mask-square", bug="default mask built from the query length")
 def square_default_mask(Q, K, V, mask=None):
     if mask is None:
         mask = torch.ones(Q.shape[-2], Q.shape[-2], dtype=torch.bool, device=Q.device)
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V
 
 
-@buggy("cross-attention-shapes", bug="output truncated to the query width")
+@buggy("cross-attention-shapes", mistake="output-truncated-to-dk", bug="output truncated to the query width")
 def output_as_wide_as_queries(Q, K, V, mask=None):
     out = torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V
     return out[..., : Q.shape[-1]]
@@ -255,26 +260,30 @@ class _BuggyMultiHead(SeedMultiHead):
         return self.W_O(self.merge(heads))
 
 
-@buggy("head-concat-equivalence", "permutation-equivariance", bug="heads split with view and no transpose",
+@buggy("head-concat-equivalence", "permutation-equivariance",
+       mistake="heads-split-without-transpose", bug="heads split with view and no transpose",
        convention="module")
 class SplitWithoutTranspose(_BuggyMultiHead):
     def split(self, t):
         return t.reshape(self.h, t.size(0), self.d_k)
 
 
-@buggy("head-concat-equivalence", bug="heads merged with view and no transpose", convention="module")
+@buggy("head-concat-equivalence",
+       mistake="heads-merged-without-transpose", bug="heads merged with view and no transpose", convention="module")
 class MergeWithoutTranspose(_BuggyMultiHead):
     def merge(self, heads):
         return heads.reshape(heads.size(1), -1)
 
 
-@buggy("head-concat-equivalence", "scale-sqrt-dk", bug="scale uses d_model, not the per-head d_k",
+@buggy("head-concat-equivalence", "scale-sqrt-dk",
+       mistake="scale-d-model", bug="scale uses d_model, not the per-head d_k",
        convention="module")
 class ScaleByModelWidth(_BuggyMultiHead):
     scale_width = True
 
 
-@buggy("head-concat-equivalence", bug="W_O never applied", convention="module")
+@buggy("head-concat-equivalence",
+       mistake="output-projection-missing", bug="W_O never applied", convention="module")
 class MissingOutputProjection(_BuggyMultiHead):
     def forward(self, x_q, x_kv, mask=None):
         Q, K, V = self.split(self.W_Q(x_q)), self.split(self.W_K(x_kv)), self.split(self.W_V(x_kv))
@@ -284,12 +293,12 @@ class MissingOutputProjection(_BuggyMultiHead):
 # ---------------------------------------------------------------- bugs: values only
 
 
-@buggy("matches-reference", bug="float64 inputs computed in float32")
+@buggy("matches-reference", mistake="computes-in-float32", bug="float64 inputs computed in float32")
 def float32_inside(Q, K, V, mask=None):
     return seed_function(Q.float(), K.float(), V.float(), mask).to(Q.dtype)
 
 
-@buggy("matches-reference", bug="softmax temperature 0.9 left in")
+@buggy("matches-reference", mistake="scale-temperature", bug="softmax temperature 0.9 left in")
 def temperature(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K) / 0.9, mask), dim=-1) @ V
 
@@ -311,23 +320,25 @@ def sdpa_bottom_right_causal(query, key, value, attn_mask=None, dropout_p=0.0, i
     return out * has_key
 
 
-@buggy("scale-argument", bug="the scale argument is ignored", convention="sdpa")
+@buggy("scale-argument", mistake="scale-argument-ignored", bug="the scale argument is ignored", convention="sdpa")
 def ignores_scale_argument(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal)
 
 
-@buggy("scale-argument", bug="sqrt(scale) applied to Q and K separately (breaks negative scales)", convention="sdpa")
+@buggy("scale-argument",
+       mistake="scale-argument-sqrt-split", bug="sqrt(scale) applied to Q and K separately (breaks negative scales)", convention="sdpa")
 def split_sqrt_scale(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     s = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.size(-1)))  # NaN... raises for scale < 0
     return F.scaled_dot_product_attention(query * s, key * s, value, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
 
 
-@buggy("is-causal", bug="is_causal is ignored", convention="sdpa")
+@buggy("is-causal", mistake="is-causal-ignored", bug="is_causal is ignored", convention="sdpa")
 def ignores_is_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
 
 
-@buggy("is-causal", bug="is_causal masks the diagonal too (triu diagonal=0)", convention="sdpa")
+@buggy("is-causal",
+       mistake="is-causal-diagonal-masked", bug="is_causal masks the diagonal too (triu diagonal=0)", convention="sdpa")
 def is_causal_off_by_one(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     if is_causal:
         attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril(-1)

@@ -59,13 +59,15 @@ def zero_for_empty_rows(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: masks
 
 
-@buggy("mask-semantics", "rows-sum-to-one", bug="mask applied after the softmax by multiplying")
+@buggy("mask-semantics", "rows-sum-to-one",
+       mistake="mask-after-softmax", bug="mask applied after the softmax by multiplying")
 def mask_after_softmax(Q, K, V, mask=None):
     weights = torch.softmax(_scores(Q, K), dim=-1)
     return (weights if mask is None else weights * mask) @ V
 
 
-@buggy("mask-semantics", bug="mask applied after the softmax, then renormalised (masked scores still set the max)")
+@buggy("mask-semantics",
+       mistake="mask-after-softmax-renormalised", bug="mask applied after the softmax, then renormalised (masked scores still set the max)")
 def mask_after_softmax_renormalised(Q, K, V, mask=None):
     weights = torch.softmax(_scores(Q, K), dim=-1)
     if mask is not None:
@@ -74,7 +76,7 @@ def mask_after_softmax_renormalised(Q, K, V, mask=None):
     return weights @ V
 
 
-@buggy("mask-semantics", bug="additive mask of -1e4, which large scores overwhelm")
+@buggy("mask-semantics", mistake="mask-bias-finite", bug="additive mask of -1e4, which large scores overwhelm")
 def additive_minus_1e4(Q, K, V, mask=None):
     scores = _scores(Q, K)
     if mask is not None:
@@ -82,7 +84,7 @@ def additive_minus_1e4(Q, K, V, mask=None):
     return torch.softmax(scores, dim=-1) @ V
 
 
-@buggy("mask-semantics", bug="masked_fill(-1e9), which float16 cannot hold")
+@buggy("mask-semantics", mistake="mask-fill-finite", bug="masked_fill(-1e9), which float16 cannot hold")
 def fill_minus_1e9(Q, K, V, mask=None):
     scores = _scores(Q, K)
     if mask is not None:
@@ -97,7 +99,8 @@ def _additive(mask, dtype):
     return mask
 
 
-@buggy("mask-semantics", bug="additive mask scaled with the scores ((QK^T + mask) / sqrt(d_k))")
+@buggy("mask-semantics",
+       mistake="mask-scaled-with-scores", bug="additive mask scaled with the scores ((QK^T + mask) / sqrt(d_k))")
 def scaled_additive_mask(Q, K, V, mask=None):
     scores = Q @ K.transpose(-2, -1)
     if mask is not None:
@@ -105,7 +108,8 @@ def scaled_additive_mask(Q, K, V, mask=None):
     return torch.softmax(scores / math.sqrt(Q.size(-1)), dim=-1) @ V
 
 
-@buggy("mask-semantics", "causal-mask", bug="bool mask turned into a bias with inverted polarity (mask * finfo.min)")
+@buggy("mask-semantics", "causal-mask",
+       mistake="mask-inverted-bias", bug="bool mask turned into a bias with inverted polarity (mask * finfo.min)")
 def bias_from_mask_inverted(Q, K, V, mask=None):
     scores = _scores(Q, K)
     if mask is not None:
@@ -116,7 +120,8 @@ def bias_from_mask_inverted(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: batching
 
 
-@buggy("batch-independence", bug="keys and values read sequence-first (reshape instead of transpose)")
+@buggy("batch-independence",
+       mistake="batch-sequence-first", bug="keys and values read sequence-first (reshape instead of transpose)")
 def sequence_first_reshape(Q, K, V, mask=None):
     batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     K, V = K.expand(*batch, *K.shape[-2:]), V.expand(*batch, *V.shape[-2:])
@@ -126,14 +131,16 @@ def sequence_first_reshape(Q, K, V, mask=None):
     return seed_function(Q, K, V, mask)
 
 
-@buggy("batch-independence", "numerical-stability", bug="stable softmax with a max over the whole tensor (no dim)")
+@buggy("batch-independence", "numerical-stability",
+       mistake="max-over-tensor", bug="stable softmax with a max over the whole tensor (no dim)")
 def global_max_softmax(Q, K, V, mask=None):
     scores = _masked(_scores(Q, K), mask)
     e = torch.exp(scores - scores.max())  # numpy habit: max without an axis
     return (e / e.sum(dim=-1, keepdim=True)) @ V
 
 
-@buggy("batch-independence", bug="batch dims flattened with .view (breaks on broadcast K/V)")
+@buggy("batch-independence",
+       mistake="batch-flattened-with-view", bug="batch dims flattened with .view (breaks on broadcast K/V)")
 def flattens_with_view(Q, K, V, mask=None):
     batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     Q, K, V = (t.expand(*batch, *t.shape[-2:]) for t in (Q, K, V))
@@ -146,17 +153,18 @@ def flattens_with_view(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: values
 
 
-@buggy("value-linearity", bug="values L2-normalised (QK-norm applied to V too)")
+@buggy("value-linearity", mistake="values-normalised", bug="values L2-normalised (QK-norm applied to V too)")
 def normalised_values(Q, K, V, mask=None):
     return seed_function(Q, K, F.normalize(V, dim=-1), mask)
 
 
-@buggy("value-linearity", bug="values divided by their max for float16 safety, never scaled back")
+@buggy("value-linearity",
+       mistake="values-divided-by-max", bug="values divided by their max for float16 safety, never scaled back")
 def values_divided_by_max(Q, K, V, mask=None):
     return seed_function(Q, K, V / V.abs().amax().clamp_min(1e-6), mask)
 
 
-@buggy("value-linearity", bug="a ReLU left on the values")
+@buggy("value-linearity", mistake="values-activation", bug="a ReLU left on the values")
 def relu_values(Q, K, V, mask=None):
     return seed_function(Q, K, V.relu(), mask)
 
@@ -164,18 +172,19 @@ def relu_values(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: softmax shift invariance
 
 
-@buggy("key-shift-invariance", bug="weights are relu(scores) normalised by their sum")
+@buggy("key-shift-invariance", mistake="relu-normalised", bug="weights are relu(scores) normalised by their sum")
 def relu_normalised(Q, K, V, mask=None):
     weights = _masked(_scores(Q, K), mask).relu()
     return (weights / weights.sum(dim=-1, keepdim=True)) @ V
 
 
-@buggy("key-shift-invariance", bug="keys L2-normalised (cosine attention without a temperature)")
+@buggy("key-shift-invariance",
+       mistake="keys-normalised", bug="keys L2-normalised (cosine attention without a temperature)")
 def normalised_keys(Q, K, V, mask=None):
     return seed_function(Q, F.normalize(K, dim=-1), V, mask)
 
 
-@buggy("key-shift-invariance", bug="stabilising max taken over the queries (dim=-2)")
+@buggy("key-shift-invariance", mistake="max-over-queries", bug="stabilising max taken over the queries (dim=-2)")
 def max_over_queries(Q, K, V, mask=None):
     scores = _masked(_scores(Q, K), mask)
     e = torch.exp(scores - scores.amax(dim=-2, keepdim=True))
@@ -185,12 +194,12 @@ def max_over_queries(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: large scores
 
 
-@buggy("numerical-stability", bug="exp without subtracting the row max")
+@buggy("numerical-stability", mistake="exp-without-max", bug="exp without subtracting the row max")
 def exp_without_max(Q, K, V, mask=None):
     e = torch.exp(_masked(_scores(Q, K), mask))
     return (e / e.sum(dim=-1, keepdim=True)) @ V
 
 
-@buggy("numerical-stability", bug="scores clamped to [-50, 50] 'to avoid overflow'")
+@buggy("numerical-stability", mistake="scores-clamped", bug="scores clamped to [-50, 50] 'to avoid overflow'")
 def clamped_scores(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K).clamp(-50, 50), mask), dim=-1) @ V

@@ -74,7 +74,8 @@ class _NoDeltaBackward(_Attention):
         return dS @ K, dS.transpose(-2, -1) @ Q, A.transpose(-2, -1) @ dO, None
 
 
-@buggy("gradients", bug="custom backward: the softmax backward misses the - rowsum(A * dA) term")
+@buggy("gradients",
+       mistake="backward-missing-rowsum", bug="custom backward: the softmax backward misses the - rowsum(A * dA) term")
 def wrong_softmax_backward(Q, K, V, mask=None):
     return _NoDeltaBackward.apply(Q, K, V, mask)
 
@@ -87,12 +88,12 @@ class _UnscaledBackward(_Attention):
         return dS @ K, dS.transpose(-2, -1) @ Q, A.transpose(-2, -1) @ dO, None
 
 
-@buggy("gradients", bug="custom backward: dQ and dK miss the 1/sqrt(d_k) factor")
+@buggy("gradients", mistake="backward-missing-scale", bug="custom backward: dQ and dK miss the 1/sqrt(d_k) factor")
 def backward_missing_scale(Q, K, V, mask=None):
     return _UnscaledBackward.apply(Q, K, V, mask)
 
 
-@buggy("gradients", bug="V detached: no gradient reaches the values")
+@buggy("gradients", mistake="values-detached", bug="V detached: no gradient reaches the values")
 def detached_values(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V.detach()
 
@@ -108,7 +109,8 @@ class _PaddedBackward(_Attention):
         return dS @ K, dS.transpose(-2, -1) @ Q, A.transpose(-2, -1) @ dO, None
 
 
-@buggy("gradients", bug="custom backward pads keys to a block of 4 and never masks the padding: NaN in dQ, dK "
+@buggy("gradients",
+       mistake="backward-unmasked-padding", bug="custom backward pads keys to a block of 4 and never masks the padding: NaN in dQ, dK "
        "(FlashAttention #334)")
 def nan_gradients_from_padding(Q, K, V, mask=None):
     return _PaddedBackward.apply(Q, K, V, mask)
@@ -123,7 +125,8 @@ class _UnmaskedBackward(_Attention):
         return dS @ K, dS.transpose(-2, -1) @ Q, A.transpose(-2, -1) @ dO, None
 
 
-@buggy("gradients", bug="custom backward recomputes the weights without the mask: gradients leak to the future")
+@buggy("gradients",
+       mistake="backward-ignores-mask", bug="custom backward recomputes the weights without the mask: gradients leak to the future")
 def causal_backward_leak(Q, K, V, mask=None):
     return _UnmaskedBackward.apply(Q, K, V, mask)
 
@@ -131,18 +134,20 @@ def causal_backward_leak(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: determinism
 
 
-@buggy("determinism", bug="dropout left on at inference (F.dropout defaults to training=True)")
+@buggy("determinism",
+       mistake="dropout-at-inference", bug="dropout left on at inference (F.dropout defaults to training=True)")
 def dropout_left_on(Q, K, V, mask=None):
     return F.dropout(torch.softmax(_masked(_scores(Q, K), mask), dim=-1), p=0.1) @ V
 
 
-@buggy("determinism", bug="random jitter added to the scores to break ties")
+@buggy("determinism", mistake="noise-at-inference", bug="random jitter added to the scores to break ties")
 def jittered_scores(Q, K, V, mask=None):
     scores = _scores(Q, K) + 1e-3 * torch.rand_like(_scores(Q, K))
     return torch.softmax(_masked(scores, mask), dim=-1) @ V
 
 
-@buggy("determinism", bug="F.dropout(weights, 0.1) ignores eval(): training defaults to True", convention="module")
+@buggy("determinism",
+       mistake="dropout-at-inference", bug="F.dropout(weights, 0.1) ignores eval(): training defaults to True", convention="module")
 class FunctionalDropoutInModule(SeedMultiHead):
     def forward(self, x_q, x_kv, mask=None):
         Q, K, V = self.split(self.W_Q(x_q)), self.split(self.W_K(x_kv)), self.split(self.W_V(x_kv))
@@ -150,7 +155,8 @@ class FunctionalDropoutInModule(SeedMultiHead):
         return self.W_O(self.merge(weights @ V))
 
 
-@buggy("determinism", bug="a KV cache left on: every call also attends to the keys of earlier calls",
+@buggy("determinism",
+       mistake="kv-cache-left-on", bug="a KV cache left on: every call also attends to the keys of earlier calls",
        convention="module")
 class KVCacheLeftOn(SeedMultiHead):
     def forward(self, x_q, x_kv, mask=None):
@@ -167,13 +173,15 @@ class KVCacheLeftOn(SeedMultiHead):
 # ---------------------------------------------------------------- bugs: inputs modified in place
 
 
-@buggy("inputs-unchanged", bug="Q scaled in place (Q.mul_(scale)) to save memory")
+@buggy("inputs-unchanged",
+       mistake="queries-scaled-in-place", bug="Q scaled in place (Q.mul_(scale)) to save memory")
 def scales_q_in_place(Q, K, V, mask=None):
     Q.mul_(1 / math.sqrt(Q.size(-1)))
     return torch.softmax(_masked(Q @ K.transpose(-2, -1), mask), dim=-1) @ V
 
 
-@buggy("inputs-unchanged", bug="the mask inverted in place (mask.logical_not_()) for masked_fill")
+@buggy("inputs-unchanged",
+       mistake="mask-inverted-in-place", bug="the mask inverted in place (mask.logical_not_()) for masked_fill")
 def inverts_mask_in_place(Q, K, V, mask=None):
     scores = _scores(Q, K)
     if mask is not None:
@@ -181,13 +189,15 @@ def inverts_mask_in_place(Q, K, V, mask=None):
     return torch.softmax(scores, dim=-1) @ V
 
 
-@buggy("inputs-unchanged", bug="K transposed in place (K.transpose_) instead of K.transpose")
+@buggy("inputs-unchanged",
+       mistake="keys-transposed-in-place", bug="K transposed in place (K.transpose_) instead of K.transpose")
 def transposes_k_in_place(Q, K, V, mask=None):
     K.transpose_(-2, -1)
     return torch.softmax(_masked(Q @ K / math.sqrt(Q.size(-1)), mask), dim=-1) @ V
 
 
-@buggy("inputs-unchanged", bug="converts the mask to True = ignore in place (mask.logical_not_())",
+@buggy("inputs-unchanged",
+       mistake="mask-inverted-in-place", bug="converts the mask to True = ignore in place (mask.logical_not_())",
        convention="module")
 class InvertsMaskInPlaceModule(SeedMultiHead):
     def forward(self, x_q, x_kv, mask=None):
@@ -201,12 +211,14 @@ class InvertsMaskInPlaceModule(SeedMultiHead):
 # ---------------------------------------------------------------- bugs: dtype and device
 
 
-@buggy("dtype-device", bug="the softmax upcast to float32 is never cast back")
+@buggy("dtype-device",
+       mistake="softmax-float32-not-cast-back", bug="the softmax upcast to float32 is never cast back")
 def float32_softmax_not_cast_back(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask).float(), dim=-1) @ V.float()
 
 
-@buggy("dtype-device", bug="the output buffer is torch.zeros(shape): default dtype (float32) and device")
+@buggy("dtype-device",
+       mistake="output-buffer-default-dtype", bug="the output buffer is torch.zeros(shape): default dtype (float32) and device")
 def default_dtype_output_buffer(Q, K, V, mask=None):
     batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     out = torch.zeros(*batch, Q.shape[-2], V.shape[-1])  # [..., Tq, Dv]
@@ -214,7 +226,7 @@ def default_dtype_output_buffer(Q, K, V, mask=None):
     return out
 
 
-@buggy("dtype-device", bug="computed in float64 for accuracy and never cast back")
+@buggy("dtype-device", mistake="float64-not-cast-back", bug="computed in float64 for accuracy and never cast back")
 def float64_not_cast_back(Q, K, V, mask=None):
     return seed_function(Q.double(), K.double(), V.double(), mask)
 
@@ -227,13 +239,15 @@ def _as_if_contiguous(t):
     return t.as_strided(t.shape, torch.empty(t.shape, device="meta").stride())
 
 
-@buggy("non-contiguous", bug="assumes contiguous inputs (a kernel indexing [i, j] at i * D + j)")
+@buggy("non-contiguous",
+       mistake="assumes-contiguous", bug="assumes contiguous inputs (a kernel indexing [i, j] at i * D + j)")
 def assumes_row_major(Q, K, V, mask=None):
     Q, K, V = (_as_if_contiguous(t) for t in (Q, K, V))
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V
 
 
-@buggy("non-contiguous", bug="folds the scale into K through K.view(-1, d_k): fails on transposed or expanded K")
+@buggy("non-contiguous",
+       mistake="view-on-strided-keys", bug="folds the scale into K through K.view(-1, d_k): fails on transposed or expanded K")
 def scales_keys_through_view(Q, K, V, mask=None):
     K = (K.view(-1, K.shape[-1]) / math.sqrt(K.shape[-1])).view(K.shape)
     return torch.softmax(_masked(Q @ K.transpose(-2, -1), mask), dim=-1) @ V
@@ -242,20 +256,23 @@ def scales_keys_through_view(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: long sequences
 
 
-@buggy("long-sequences", bug="a fixed KV buffer of 512 slots: keys beyond it are silently dropped")
+@buggy("long-sequences",
+       mistake="kv-buffer-truncated", bug="a fixed KV buffer of 512 slots: keys beyond it are silently dropped")
 def truncated_kv_buffer(Q, K, V, mask=None):
     K, V = K[..., :512, :], V[..., :512, :]
     return seed_function(Q, K, V, None if mask is None else mask[..., :512])
 
 
-@buggy("long-sequences", bug="exp(s) / sum(exp(s)) without subtracting the max: the float16 sum overflows "
+@buggy("long-sequences",
+       mistake="exp-without-max", bug="exp(s) / sum(exp(s)) without subtracting the max: the float16 sum overflows "
        "once a row has thousands of keys")
 def unstabilised_softmax(Q, K, V, mask=None):
     e = torch.exp(_masked(_scores(Q, K), mask))  # [..., Tq, Tk]
     return e / e.sum(dim=-1, keepdim=True) @ V
 
 
-@buggy("long-sequences", bug="scores use only the first 128 dims of Q and K (a kernel tile limit)")
+@buggy("long-sequences",
+       mistake="head-dim-tile", bug="scores use only the first 128 dims of Q and K (a kernel tile limit)")
 def head_dim_tile_128(Q, K, V, mask=None):
     scores = Q[..., :128] @ K[..., :128].transpose(-2, -1) / math.sqrt(Q.size(-1))
     return torch.softmax(_masked(scores, mask), dim=-1) @ V
@@ -270,11 +287,13 @@ def _gqa(Q, K, V, mask, repeat_kv):
     return seed_function(Q, K, V, mask)
 
 
-@buggy("gqa-equivalence", bug="K/V heads tiled with repeat ([h0, h1, h0, h1]) instead of repeat_interleave")
+@buggy("gqa-equivalence",
+       mistake="gqa-tiled", bug="K/V heads tiled with repeat ([h0, h1, h0, h1]) instead of repeat_interleave")
 def gqa_tiled_heads(Q, K, V, mask=None):
     return _gqa(Q, K, V, mask, lambda t, n: t.repeat(*([1] * (t.dim() - 3)), n // t.shape[-3], 1, 1))
 
 
-@buggy("gqa-equivalence", bug="the MQA path applied to GQA: every query head reads KV head 0")
+@buggy("gqa-equivalence",
+       mistake="gqa-first-kv-head", bug="the MQA path applied to GQA: every query head reads KV head 0")
 def gqa_first_kv_head_only(Q, K, V, mask=None):
     return _gqa(Q, K, V, mask, lambda t, n: t[..., :1, :, :])

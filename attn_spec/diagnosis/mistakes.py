@@ -1,0 +1,427 @@
+"""The catalog of mistakes in the formula itself: scale, softmax, masks, positions, shapes, values.
+
+Each function is the wrong code, written plainly (see :mod:`attn_spec.diagnosis.model` for the
+levels, ``exact`` and ``params``). ``attn-spec list --mistakes`` lists them; ``attn-spec explain ID``
+shows one with its code and fix.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attn_spec.diagnosis.model import (NEG_INF, correct, leave_free, masked, mistake, scale_of, scores,
+                                       softmax_keys, weights)
+from attn_spec.targets.conventions import broadcast_shapes
+
+
+def _scaled(q, scale, default):
+    return default if scale is None else scale  # an explicit scale argument is used as given
+
+
+# ---------------------------------------------------------------- scale
+
+
+@mistake("scale-missing", family="scale", caught_by=("scale-sqrt-dk",),
+         sentence="the scores are not scaled: softmax(Q Kᵀ) instead of softmax(Q Kᵀ / √d_k)",
+         fix="divide the scores by math.sqrt(d_k)")
+def scale_missing(q, k, v, mask, scale):
+    return correct(q, k, v, mask, _scaled(q, scale, 1.0))
+
+
+@mistake("scale-one-over-dk", family="scale", caught_by=("scale-sqrt-dk",),
+         sentence="the scores are divided by d_k instead of √d_k (or 1/√d_k is applied twice)",
+         fix="scale by 1 / math.sqrt(d_k), once")
+def scale_one_over_dk(q, k, v, mask, scale):
+    return correct(q, k, v, mask, _scaled(q, scale, 1 / q.shape[-1]))
+
+
+@mistake("scale-one-over-two-dk", family="scale", caught_by=("scale-sqrt-dk",),
+         sentence="the scores are scaled by 1/(2 d_k): `scores / d_k ** 1/2` divides by d_k, then by 2 "
+                  "(** binds tighter than /)",
+         fix="write d_k ** 0.5 (or math.sqrt(d_k))")
+def scale_one_over_two_dk(q, k, v, mask, scale):
+    return correct(q, k, v, mask, _scaled(q, scale, 1 / q.shape[-1] ** 1 / 2))
+
+
+@mistake("scale-multiplied", family="scale", caught_by=("scale-sqrt-dk",),
+         sentence="the scores are multiplied by √d_k instead of divided by it",
+         fix="divide the scores by math.sqrt(d_k)")
+def scale_multiplied(q, k, v, mask, scale):
+    return correct(q, k, v, mask, _scaled(q, scale, math.sqrt(q.shape[-1])))
+
+
+@mistake("scale-hard-coded", family="scale", caught_by=("scale-sqrt-dk",),
+         params=tuple({"width": w} for w in (64, 128, 32, 16, 256, 512, 768, 1024, 8, 4)),
+         sentence="the scale is hard-coded as 1/√{width}: d_k is a constant, not the width of the input",
+         fix="compute the scale from the input: 1 / math.sqrt(Q.size(-1))")
+def scale_hard_coded(q, k, v, mask, scale, width):
+    return correct(q, k, v, mask, _scaled(q, scale, 1 / math.sqrt(width)))
+
+
+@mistake("scale-d-v", family="scale", caught_by=("scale-sqrt-dk",),
+         sentence="the scale uses d_v (the width of V) instead of d_k",
+         fix="scale by 1 / math.sqrt(Q.size(-1)), the width of Q and K")
+def scale_d_v(q, k, v, mask, scale):
+    return correct(q, k, v, mask, _scaled(q, scale, 1 / math.sqrt(v.shape[-1])))
+
+
+@mistake("scale-temperature", family="scale", caught_by=("scale-sqrt-dk",),
+         params={"temperature": (0.05, 20.0, 0.9)},
+         sentence="the scores are divided by an extra factor {temperature:.3g} (a softmax temperature left in?)",
+         fix="scale by exactly 1 / math.sqrt(d_k): remove the extra factor")
+def scale_temperature(q, k, v, mask, scale, temperature):
+    return correct(q, k, v, mask, scale_of(q, scale) / temperature)
+
+
+# ---------------------------------------------------------------- softmax
+
+
+@mistake("softmax-over-queries", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="the softmax runs over the queries (dim=-2), not over the keys",
+         fix="softmax(scores, dim=-1): each query's weights are a distribution over the keys")
+def softmax_over_queries(q, k, v, mask, scale):
+    s = masked(scores(q, k, scale), mask)  # [..., Tq, Tk]
+    unseen = torch.isneginf(s).all(dim=-2, keepdim=True).expand(s.shape)  # a key no query may see: NaN
+    leave_free(unseen)
+    return torch.softmax(s, dim=-2).masked_fill(unseen, 0.0) @ v
+
+
+@mistake("softmax-over-heads", family="softmax", caught_by=("rows-sum-to-one", "batch-independence"),
+         sentence="the softmax runs over the head (or batch) dim, dim=-3 or dim=1, not over the keys",
+         fix="softmax(scores, dim=-1)")
+def softmax_over_heads(q, k, v, mask, scale):
+    return torch.softmax(masked(scores(q, k, scale), mask), dim=-3) @ v  # raises on 2-D inputs
+
+
+@mistake("softmax-over-matrix", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="the softmax runs over the whole score matrix (both axes flattened), not over each row",
+         fix="softmax(scores, dim=-1)")
+def softmax_over_matrix(q, k, v, mask, scale):
+    s = masked(scores(q, k, scale), mask)  # [..., Tq, Tk]
+    return torch.softmax(s.flatten(-2), dim=-1).reshape(s.shape) @ v
+
+
+@mistake("softmax-unnormalised", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="the weights are exp(s - max) without dividing by their sum: the softmax is not normalised",
+         fix="divide by the row sum (or call torch.softmax(scores, dim=-1))")
+def softmax_unnormalised(q, k, v, mask, scale):
+    s = masked(scores(q, k, scale), mask)
+    return torch.exp(s - s.amax(dim=-1, keepdim=True)) @ v
+
+
+@mistake("sigmoid-weights", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="the weights are sigmoid(scores) instead of softmax(scores): rows do not sum to 1",
+         fix="torch.softmax(scores, dim=-1)")
+def sigmoid_weights(q, k, v, mask, scale):
+    return torch.sigmoid(masked(scores(q, k, scale), mask)) @ v
+
+
+@mistake("relu-normalised", family="softmax", caught_by=("key-shift-invariance",),
+         sentence="the weights are relu(scores) divided by their sum, not a softmax (shifting the scores changes them)",
+         fix="torch.softmax(scores, dim=-1)")
+def relu_normalised(q, k, v, mask, scale):
+    w = masked(scores(q, k, scale), mask).relu()
+    return w / w.sum(dim=-1, keepdim=True) @ v
+
+
+@mistake("softmax-extra-zero-logit", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="the softmax has an extra 1 in its denominator (a padded key with score 0 and value 0, or "
+                  "softmax_one): every weight is scaled by the same factor < 1",
+         fix="pad keys with a -inf score (or mask them), and use the plain softmax")
+def softmax_extra_zero_logit(q, k, v, mask, scale):
+    s = masked(scores(q, k, scale), mask)  # [..., Tq, Tk]
+    padded = torch.cat([s, s.new_zeros(*s.shape[:-1], 1)], dim=-1)  # a key with score 0 ...
+    return torch.softmax(padded, dim=-1)[..., :-1] @ v  # ... and value 0
+
+
+@mistake("log-softmax-weights", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="the weights are log_softmax(scores): log-probabilities, not probabilities",
+         fix="torch.softmax(scores, dim=-1)")
+def log_softmax_weights(q, k, v, mask, scale):
+    return torch.log_softmax(masked(scores(q, k, scale), mask), dim=-1) @ v
+
+
+@mistake("softmax-missing", family="softmax", caught_by=("rows-sum-to-one",),
+         sentence="there is no softmax: the raw scores weight the values",
+         fix="weights = torch.softmax(scores, dim=-1), then weights @ V")
+def softmax_missing(q, k, v, mask, scale):
+    return masked(scores(q, k, scale), mask, 0.0) @ v
+
+
+@mistake("exp-without-max", family="numerics", exact=True, caught_by=("numerical-stability", "long-sequences"),
+         sentence="the softmax is exp(s) / sum(exp(s)) without subtracting the row max: exp overflows to inf "
+                  "(inf / inf = NaN) once scores are large, and a 16-bit sum overflows over many keys",
+         fix="subtract each row's max first (torch.softmax does): exp(s - s.amax(dim=-1, keepdim=True))")
+def exp_without_max(q, k, v, mask, scale):
+    e = torch.exp(masked(scores(q, k, scale), mask))
+    return e / e.sum(dim=-1, keepdim=True) @ v
+
+
+@mistake("max-over-tensor", family="numerics", exact=True, caught_by=("batch-independence", "numerical-stability"),
+         sentence="the max subtracted for a stable softmax is taken over the whole tensor (x.max() without dim): "
+                  "rows and batch elements with smaller scores underflow to 0/0",
+         fix="s.amax(dim=-1, keepdim=True): the max of each row")
+def max_over_tensor(q, k, v, mask, scale):
+    s = masked(scores(q, k, scale), mask)
+    e = torch.exp(s - s.max())
+    return e / e.sum(dim=-1, keepdim=True) @ v
+
+
+@mistake("max-over-queries", family="numerics", exact=True, caught_by=("key-shift-invariance",),
+         sentence="the max subtracted for a stable softmax is taken over the queries (dim=-2), not the keys",
+         fix="s.amax(dim=-1, keepdim=True)")
+def max_over_queries(q, k, v, mask, scale):
+    s = masked(scores(q, k, scale), mask)
+    e = torch.exp(s - s.amax(dim=-2, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True) @ v
+
+
+@mistake("scores-clamped", family="numerics", caught_by=("numerical-stability",),
+         params=tuple({"limit": c} for c in (50, 10, 20, 30, 80, 100, 5, 1e4)),
+         sentence="the scores are clamped to [-{limit:g}, {limit:g}] 'to avoid overflow': large scores lose their order",
+         fix="do not clamp: subtract the row max inside the softmax (torch.softmax does)")
+def scores_clamped(q, k, v, mask, scale, limit):
+    return softmax_keys(masked(scores(q, k, scale).clamp(-limit, limit), mask)) @ v
+
+
+# ---------------------------------------------------------------- masks
+
+
+@mistake("mask-ignored", family="masking", caught_by=("causal-mask", "mask-semantics"),
+         sentence="the mask is ignored: every query attends every key",
+         fix="scores.masked_fill(~mask, float('-inf')) before the softmax")
+def mask_ignored(q, k, v, mask, scale):
+    return correct(q, k, v, None, scale)
+
+
+@mistake("mask-inverted", family="masking", caught_by=("causal-mask", "mask-semantics"),
+         sentence="the mask's polarity is inverted: True is taken as 'ignore' (the kit's and PyTorch's bool "
+                  "masks say True = may attend)",
+         fix="scores.masked_fill(~mask, float('-inf')), not masked_fill(mask, ...)")
+def mask_inverted(q, k, v, mask, scale):
+    return correct(q, k, v, ~mask if mask is not None and mask.dtype == torch.bool else mask, scale)
+
+
+@mistake("mask-inverted-bias", family="masking", exact=True, caught_by=("causal-mask", "mask-semantics"),
+         sentence="the bool mask becomes a bias with inverted polarity (scores + mask * finfo.min): allowed keys "
+                  "are pushed down, masked ones kept",
+         fix="scores + (~mask) * finfo.min, or scores.masked_fill(~mask, float('-inf'))")
+def mask_inverted_bias(q, k, v, mask, scale):
+    s = scores(q, k, scale)
+    if mask is not None:
+        s = s + mask.to(q.dtype) * torch.finfo(q.dtype).min
+    return torch.softmax(s, dim=-1) @ v
+
+
+@mistake("mask-transposed", family="masking", caught_by=("causal-mask",),
+         sentence="the mask is transposed: mask[j, i] is used for query i and key j",
+         fix="use mask[..., i, j] for query i and key j (do not transpose it)")
+def mask_transposed(q, k, v, mask, scale):
+    if mask is None or mask.dtype != torch.bool:
+        return correct(q, k, v, mask, scale)
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    m = mask.transpose(-2, -1)[..., :n_q, :n_kv]  # a rectangular mask: cut to fit, padded with True
+    m = F.pad(m, (0, n_kv - m.shape[-1], 0, n_q - m.shape[-2]), value=True)
+    return correct(q, k, v, m, scale)
+
+
+@mistake("mask-after-softmax", family="masking", caught_by=("mask-semantics", "causal-mask"),
+         sentence="the mask multiplies the weights after the softmax: masked keys get 0 but rows no longer sum to 1",
+         fix="mask the scores before the softmax: scores.masked_fill(~mask, float('-inf'))")
+def mask_after_softmax(q, k, v, mask, scale):
+    w = weights(q, k, None, scale)
+    return (w if mask is None else w * mask) @ v
+
+
+@mistake("mask-after-softmax-renormalised", family="masking", exact=True, caught_by=("mask-semantics",),
+         sentence="the mask multiplies the weights after the softmax, then rows are renormalised: masked keys' "
+                  "large scores still set the max, so the allowed weights underflow to 0/0",
+         fix="mask the scores before the softmax: scores.masked_fill(~mask, float('-inf'))")
+def mask_after_softmax_renormalised(q, k, v, mask, scale):
+    w = torch.softmax(scores(q, k, scale), dim=-1)
+    if mask is not None:
+        w = w * mask
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w @ v
+
+
+@mistake("mask-fill-zero", family="masking", caught_by=("mask-semantics", "causal-mask"),
+         sentence="masked scores are set to 0 instead of -inf: masked keys keep the weight of a zero score",
+         fix="scores.masked_fill(~mask, float('-inf'))")
+def mask_fill_zero(q, k, v, mask, scale):
+    return correct(q, k, v, None, scale) if mask is None else softmax_keys(masked(scores(q, k, scale), mask, 0.0)) @ v
+
+
+@mistake("mask-fill-finite", family="masking", exact=True, caught_by=("mask-semantics",),
+         params=tuple({"fill": f} for f in (-1e9, -1e4, -1e5, -1e6, -1e8, -1e10, -1e12, -1e20, -1e30, -1e3)),
+         sentence="masked scores are set to {fill:g}, a finite value: larger scores overwhelm it, and a 16-bit "
+                  "dtype cannot hold it",
+         fix="scores.masked_fill(~mask, float('-inf')) (or torch.finfo(scores.dtype).min)")
+def mask_fill_finite(q, k, v, mask, scale, fill):
+    s = scores(q, k, scale)
+    return torch.softmax(s if mask is None else s.masked_fill(~mask, fill), dim=-1) @ v
+
+
+@mistake("mask-bias-finite", family="masking", exact=True, caught_by=("mask-semantics",),
+         params=tuple({"bias": b} for b in (-1e4, -1e9, -1e5, -1e6, -1e8, -1e3, -1e30)),
+         sentence="the mask is a finite additive bias ({bias:g} on masked keys): large scores overwhelm it",
+         fix="use -inf (or torch.finfo(dtype).min) for masked scores")
+def mask_bias_finite(q, k, v, mask, scale, bias):
+    s = scores(q, k, scale)
+    return torch.softmax(s if mask is None else s + (~mask) * bias, dim=-1) @ v
+
+
+@mistake("mask-scaled-with-scores", family="masking", caught_by=("mask-semantics",),
+         sentence="an additive mask is scaled with the scores ((Q Kᵀ + mask) / √d_k): finite biases shrink",
+         fix="add the mask after scaling: Q Kᵀ / √d_k + mask")
+def mask_scaled_with_scores(q, k, v, mask, scale):
+    s = q @ k.transpose(-2, -1)
+    if mask is not None:
+        s = s + (torch.zeros(mask.shape, dtype=s.dtype).masked_fill(~mask, NEG_INF) if mask.dtype == torch.bool
+                 else mask)
+    return softmax_keys(s * scale_of(q, scale)) @ v
+
+
+@mistake("mask-first-batch-only", family="masking", caught_by=("mask-semantics", "batch-independence"),
+         sentence="the mask is applied to the first batch element only (mask[0]); the others are unmasked",
+         fix="broadcast the mask over every batch element: scores.masked_fill(~mask, float('-inf'))")
+def mask_first_batch_only(q, k, v, mask, scale):
+    out = correct(q, k, v, None, scale)  # [..., Tq, Dv]
+    if mask is None or out.dim() < 3:
+        return correct(q, k, v, mask, scale)
+    first = (0,) * (out.dim() - 2)
+    b = out.shape[:-2]
+    q, k, v = (t.expand(*b, *t.shape[-2:]) for t in (q, k, v))
+    m = mask.expand(*b, *mask.shape[-2:])
+    out[first] = correct(q[first], k[first], v[first], m[first], scale)
+    return out
+
+
+@mistake("causal-hard-coded", family="masking", caught_by=("permutation-equivariance",),
+         sentence="a causal mask is hard-coded inside the attention: queries never see later keys, even "
+                  "without a mask",
+         fix="apply only the mask the caller passes; build a causal mask outside, where it is wanted")
+def causal_hard_coded(q, k, v, mask, scale):
+    tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()  # [Tq, Tk]
+    return softmax_keys(masked(masked(scores(q, k, scale), tril), mask)) @ v
+
+
+# ---------------------------------------------------------------- positions
+
+
+@mistake("positional-bias", family="position", caught_by=("permutation-equivariance",),
+         params={"slope": (-8.0, 8.0, 0.5)},
+         sentence="a term {slope:.3g} · j that grows with the key position j is added to the scores: attention "
+                  "depends on where a key sits",
+         fix="add positional information to the inputs (or as an explicit bias argument), not inside attention")
+def positional_bias(q, k, v, mask, scale, slope):
+    position = torch.arange(k.shape[-2], dtype=q.dtype)  # [Tk]
+    return softmax_keys(masked(scores(q, k, scale) + slope * position, mask)) @ v
+
+
+@mistake("values-cumsum", family="position", caught_by=("permutation-equivariance",),
+         sentence="the values are summed cumulatively over the keys (V.cumsum(dim=-2)) before weighting",
+         fix="weights @ V, with V as given")
+def values_cumsum(q, k, v, mask, scale):
+    return correct(q, k, v.cumsum(dim=-2), mask, scale)
+
+
+# ---------------------------------------------------------------- shapes and wiring
+
+
+@mistake("keys-as-values", family="shapes", caught_by=("cross-attention-shapes",),
+         sentence="K is used as the values: weights @ K instead of weights @ V",
+         fix="weights @ V")
+def keys_as_values(q, k, v, mask, scale):
+    return correct(q, k, k, mask, scale)
+
+
+@mistake("queries-keys-swapped", family="shapes", caught_by=("cross-attention-shapes",),
+         sentence="Q and K are swapped: softmax(K Qᵀ) weights the values (it crashes whenever n_q != n_kv)",
+         fix="scores = Q @ K.transpose(-2, -1): one row per query")
+def queries_keys_swapped(q, k, v, mask, scale):
+    return weights(k, q, mask, scale_of(q, scale)) @ v
+
+
+@mistake("returns-weights", family="shapes", caught_by=("cross-attention-shapes",),
+         sentence="the function returns the attention weights instead of the output (weights @ V is missing)",
+         fix="return weights @ V")
+def returns_weights(q, k, v, mask, scale):
+    return weights(q, k, mask, scale)
+
+
+@mistake("returns-tuple", family="shapes", caught_by=("matches-reference",),
+         sentence="the function returns a tuple (output, weights); the convention returns the output only",
+         fix="return only the output tensor (or check it through an adapter that takes [0])")
+def returns_tuple(q, k, v, mask, scale):
+    return correct(q, k, v, mask, scale), weights(q, k, mask, scale)
+
+
+@mistake("output-truncated-to-dk", family="shapes", caught_by=("cross-attention-shapes",),
+         sentence="the output is cut to the width of Q (d_k): d_v is assumed equal to d_k",
+         fix="the output is [..., n_q, d_v]: as wide as V")
+def output_truncated_to_dk(q, k, v, mask, scale):
+    return correct(q, k, v, mask, scale)[..., :q.shape[-1]]
+
+
+@mistake("default-mask-square", family="shapes", caught_by=("cross-attention-shapes",),
+         sentence="the default mask is built [n_q, n_q] from the query length: cross-attention (n_q != n_kv) breaks",
+         fix="when no mask is given, apply none (or build it [n_q, n_kv])")
+def default_mask_square(q, k, v, mask, scale):
+    if mask is None:
+        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)
+    return softmax_keys(scores(q, k, scale).masked_fill(~mask, NEG_INF)) @ v
+
+
+@mistake("returns-zeros", family="shapes", caught_by=("matches-reference",),
+         sentence="the output is all zeros: nothing is computed",
+         fix="return softmax(Q Kᵀ / √d_k) V")
+def returns_zeros(q, k, v, mask, scale):
+    return torch.zeros(*broadcast_shapes(q.shape[:-2], v.shape[:-2]), q.shape[-2], v.shape[-1], dtype=v.dtype)
+
+
+@mistake("returns-values", family="shapes", caught_by=("matches-reference",),
+         sentence="the output is V itself: no attention is computed",
+         fix="return softmax(Q Kᵀ / √d_k) V")
+def returns_values(q, k, v, mask, scale):
+    return v
+
+
+@mistake("uniform-weights", family="shapes", caught_by=("matches-reference",),
+         sentence="every allowed key gets the same weight (the mean of V): the scores are never used",
+         fix="weights = softmax(Q Kᵀ / √d_k) over the allowed keys")
+def uniform_weights(q, k, v, mask, scale):
+    return correct(torch.zeros_like(q), k, v, mask, scale)
+
+
+# ---------------------------------------------------------------- values and keys
+
+
+@mistake("values-normalised", family="values", exact=True, caught_by=("value-linearity",),
+         sentence="V is L2-normalised before weighting (a QK-norm applied to V too): the output is not linear in V",
+         fix="normalise Q and K if the model wants it, never V")
+def values_normalised(q, k, v, mask, scale):
+    return correct(q, k, F.normalize(v, dim=-1), mask, scale)
+
+
+@mistake("values-divided-by-max", family="values", caught_by=("value-linearity",),
+         sentence="V is divided by its largest entry (for float16 safety?) and never scaled back",
+         fix="weights @ V with V as given; keep the softmax in float32 instead if precision is the worry")
+def values_divided_by_max(q, k, v, mask, scale):
+    return correct(q, k, v / v.abs().amax().clamp_min(1e-6), mask, scale)
+
+
+@mistake("values-activation", family="values", caught_by=("value-linearity",),
+         sentence="an activation (ReLU) is applied to V before the weighted sum",
+         fix="weights @ V; activations belong outside attention")
+def values_activation(q, k, v, mask, scale):
+    return correct(q, k, v.relu(), mask, scale)
+
+
+@mistake("keys-normalised", family="values", exact=True, caught_by=("key-shift-invariance",),
+         sentence="K is L2-normalised (cosine attention without a learned temperature)",
+         fix="use the keys as given (or normalise Q and K both and learn a temperature, deliberately)")
+def keys_normalised(q, k, v, mask, scale):
+    return correct(q, F.normalize(k, dim=-1), v, mask, scale)

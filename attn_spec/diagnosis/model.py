@@ -1,0 +1,159 @@
+"""Mistake models as data: ``@mistake`` turns one small function into a catalog entry.
+
+A mistake model computes what a classic wrong implementation returns on the inputs a target was
+actually called with. Its function is the wrong code itself, written plainly:
+
+- ``level="attend"``: ``fn(q, k, v, mask, scale)`` for attention on Q [..., Tq, Dk], K, V and a
+  bool (True = may attend) or additive float mask; ``scale`` is an explicit scale or None. Used on
+  a module's calls too, per head, inside a correct multi-head wrapper (:func:`lift`).
+- ``level="module"``: ``fn(x_q, x_kv, W, h, mask)`` for a multi-head module's forward.
+- ``level="backward"``: ``fn(q, k, v, mask, G) -> (out, dQ, dK, dV)`` for a wrong backward pass.
+- ``level="stochastic"``: ``fn(samples, weights) -> params or None`` judges repeated weight
+  readings of the same input (randomness cannot be replayed, only recognised).
+
+By default a model gets float64 copies of the inputs (its own rounding is then negligible);
+``exact=True`` gives it the inputs in their own dtype, for mistakes whose rounding, overflow or
+output dtype is the bug. ``precision="float32"`` judges it with the float32 error budget.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+F64 = torch.float64
+NEG_INF = float("-inf")
+LEVELS = ("attend", "module", "backward", "stochastic")
+
+MISTAKES: dict[str, "Mistake"] = {}
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """One classic wrong implementation: its code (``fn``), what it does in one sentence, and the fix."""
+
+    id: str
+    fn: Callable
+    level: str
+    sentence: str  # may name parameters: "the scores are scaled by {factor:.3g}"
+    fix: str
+    family: str
+    caught_by: tuple[str, ...] = ()  # the properties that exist to catch it: the report shows it there
+    exact: bool = False  # runs in the inputs' dtype and device-free CPU copies; its output dtype counts
+    precision: str | None = None  # the dtype whose error budget judges it ("float32")
+    params: tuple | dict = ()  # settings (dicts) tried in order, or {name: (lo, hi, typical)}: one number fitted
+    grouped: bool = False  # receives grouped-query K/V as given (otherwise repeated to the query heads)
+    arguments: bool = False  # receives ``is_causal`` itself (otherwise it is folded into the mask)
+    stateful: bool = False  # receives ``state``, a dict kept across the calls of one replay
+
+    @property
+    def code(self) -> str:
+        """The model's own code: the wrong implementation, as ``attn-spec explain`` shows it."""
+        lines = inspect.getsource(self.fn).splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("def "))
+        return "\n".join(lines[start:]).rstrip()
+
+    @property
+    def typical(self) -> dict:
+        """Parameters for a worked example: the first setting tried, or the typical fitted number."""
+        if isinstance(self.params, dict):
+            return {name: spec[2] for name, spec in self.params.items()}
+        return dict(self.params[0]) if self.params else {}
+
+    def describe(self, params: dict | None = None) -> str:
+        return self.sentence.format(**(self.typical if params is None else params))
+
+    def fix_for(self, params: dict | None = None) -> str:
+        return self.fix.format(**(self.typical if params is None else params))
+
+
+def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "attend", caught_by=(),
+            exact=False, precision=None, params=(), grouped=False, arguments=False, stateful=False):
+    """Register ``fn`` as the mistake ``id`` (stable, kebab-case: a public contract, like property ids)."""
+    if level not in LEVELS:
+        raise ValueError(f"level {level!r} is not one of {LEVELS}")  # sanity check
+
+    def register(fn):
+        if id in MISTAKES:
+            raise ValueError(f"mistake id {id!r} is registered twice")  # sanity check
+        MISTAKES[id] = Mistake(id, fn, level, sentence, fix, family, tuple(caught_by), exact, precision,
+                               params if isinstance(params, dict) else tuple(params), grouped, arguments, stateful)
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------ building blocks of the models
+
+_FREE: contextvars.ContextVar[list | None] = contextvars.ContextVar("free", default=None)
+
+
+@contextlib.contextmanager
+def collecting_free():
+    """Collect the weights that a model leaves free (rows with no allowed key: a convention)."""
+    token = _FREE.set([])
+    try:
+        yield _FREE.get()
+    finally:
+        _FREE.reset(token)
+
+
+def leave_free(where: torch.Tensor) -> None:
+    """Mark weights [..., Tq, Tk] as free: targets differ there by convention (NaN, zeros, uniform)."""
+    collected = _FREE.get()
+    if collected is not None and bool(where.any()):
+        collected.append(where)
+
+
+def scale_of(q, scale=None) -> float:
+    return 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def scores(q, k, scale=None):
+    return q @ k.transpose(-2, -1) * scale_of(q, scale)  # [..., Tq, Tk]
+
+
+def masked(s, mask, fill=NEG_INF):
+    """A bool mask fills the disallowed scores; a float mask is added as a bias."""
+    if mask is None:
+        return s
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, fill)
+    return s + mask
+
+
+def softmax_keys(s):
+    """softmax over the keys; a row with no allowed key is left free and given zeros."""
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)  # [..., Tq, 1]
+    leave_free(empty.expand(s.shape))
+    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+
+
+def weights(q, k, mask=None, scale=None):
+    return softmax_keys(masked(scores(q, k, scale), mask))  # [..., Tq, Tk]
+
+
+def correct(q, k, v, mask=None, scale=None):
+    """softmax(scale Q K^T + mask) V: the formula every mistake departs from."""
+    return weights(q, k, mask, scale) @ v  # [..., Tq, Dv]
+
+
+def split_heads(t, h):
+    """[T, D] -> [h, T, D / h]: head i takes columns i*D/h:(i+1)*D/h."""
+    return t.reshape(t.shape[0], h, t.shape[-1] // h).transpose(0, 1)
+
+
+def merge_heads(t):
+    """[h, T, Dh] -> [T, h * Dh]."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+
+def lift(fn, x_q, x_kv, W, h, mask, **params):
+    """A module that computes its heads with ``fn`` and is otherwise correct."""
+    q, k, v = (split_heads(x @ W[name].T, h) for x, name in ((x_q, "W_Q"), (x_kv, "W_K"), (x_kv, "W_V")))
+    return merge_heads(fn(q, k, v, mask, None, **params)) @ W["W_O"].T  # [Tq, D]

@@ -1,0 +1,225 @@
+"""One root per bug: group a target's failures by the cause that explains them.
+
+A failure is explained by a root when the evidence says so, in this order:
+1. a crash: the same exception raised at the same line of the target's code is one root;
+2. NaN or inf out of finite inputs is one root, found first (no lesson is drawn from NaN vs NaN);
+3. randomness: the same input giving different outputs explains every failure that does not replay;
+4. a mistake model: the model named for the root reproduces the other failure's calls too;
+5. only then the catalog's fixed order (``Property.after``), for failures no model reproduces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attn_spec.diagnosis.evidence import FailureEvidence, judge_randomness
+
+
+@dataclass
+class Diagnosis:
+    """One root cause and the failures it explains (``explains`` starts with ``root``)."""
+
+    root: str  # the property whose failure shows the root (its counterexample is printed)
+    mistake: str | None  # the mistake model's id, None when no model names it
+    sentence: str
+    fix: str
+    explains: list[str]
+    evidence: str
+    guess: bool = False  # the nearest model only: it does not reproduce every call
+    traceback: str = ""  # the target's own traceback, for a crash
+    params: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"root": self.root, "mistake": self.mistake, "sentence": self.sentence, "fix": self.fix,
+                "explains": list(self.explains), "evidence": self.evidence, "guess": self.guess,
+                "traceback": self.traceback or None}
+
+
+def _key(fit) -> tuple:
+    """Two failures name the same mistake when its id and its chosen parameters agree (a fitted number
+    may differ in its last digits from one failure to the next)."""
+    if isinstance(fit.mistake.params, dict):
+        return fit.mistake.id, ()
+    return fit.mistake.id, tuple(sorted(fit.params.items()))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _from_fits(fits: list, pids: list[str], order: list[str], evidences) -> Diagnosis:
+    """A root named by the fit shared by ``pids``, shown at the first property made to catch it."""
+    fit = fits[0]
+    m = fit.mistake
+    shown = next((p for p in m.caught_by if p in pids), None) or min(pids, key=order.index)
+    calls = sum(evidences[p].fit_for(m.id).calls for p in pids if evidences[p].fit_for(m.id))
+    evidence = (f"reproduces every call of {_plural(len(pids), 'failing property')} ({_plural(calls, 'call')}) "
+                f"within the error budget")
+    if fit.messages:
+        evidence += "; it raises the very exception the target raised"
+    others = [f.mistake.id for f in fits[1:3]]
+    if others:
+        evidence += f"; also consistent with: {', '.join(others)}"
+    return Diagnosis(shown, m.id, m.describe(fit.params), m.fix_for(fit.params),
+                     sorted(pids, key=order.index), evidence, params=dict(fit.params))
+
+
+def _rank(fit, pids, evidences):
+    m = fit.mistake
+    specific = 2 if isinstance(m.params, dict) else 1 if m.params else 0
+    messages = sum(getattr(evidences[p].fit_for(m.id), "messages", 0) for p in pids)
+    return (not set(m.caught_by) & set(pids), specific, -messages, fit.free)
+
+
+def _best_cover(left: list[str], evidences, within=()) -> tuple[list, list[str]] | None:
+    """The fits that explain the most of ``left`` failures (most specific first), and which failures;
+    with ``within``, only fits that explain every failure in it."""
+    cover: dict[tuple, list[str]] = {}
+    fits: dict[tuple, list] = {}
+    for pid in left:
+        for fit in evidences[pid].fits:
+            cover.setdefault(_key(fit), []).append(pid)
+            fits.setdefault(_key(fit), []).append(fit)
+    cover = {key: pids for key, pids in cover.items() if set(within) <= set(pids)}
+    if not cover:
+        return None
+    best = max(len(p) for p in cover.values())
+    tied = [key for key, p in cover.items() if len(p) == best]
+    tied.sort(key=lambda key: _rank(fits[key][0], cover[key], evidences))
+    chosen = tied[0]
+    alternatives = [fits[key][0] for key in tied[1:] if set(cover[key]) == set(cover[chosen])]
+    return [fits[chosen][0], *alternatives], cover[chosen]
+
+
+def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: list[str], after: dict,
+          target=None, mistakes=()) -> list[Diagnosis]:
+    """The roots of ``failures`` (property ids, catalog order), each with the failures it explains."""
+    left = [p for p in failures if p in evidences]
+    roots: list[Diagnosis] = []
+
+    def take(pids):
+        for p in pids:
+            if p in left:
+                left.remove(p)
+
+    # 1. crashes: one root per exception type and line of the target's code
+    crashes: dict[tuple, list[str]] = {}
+    for p in left:
+        if evidences[p].crash:
+            crashes.setdefault((evidences[p].crash[0], evidences[p].crash[2]), []).append(p)
+    for (kind, where), pids in crashes.items():
+        shared = _best_cover(left, evidences, within=pids)
+        crash = evidences[pids[0]].crash
+        if shared:
+            root = _from_fits(shared[0], pids, order, evidences)
+            root.evidence = f"the target raises {kind} at {where}; " + root.evidence
+        else:
+            root = Diagnosis(pids[0], None, f"the target raises {kind}: {crash[1]}",
+                             "see the traceback: the line of your code that raised", pids,
+                             f"{_plural(len(pids), 'failing property')} raise the same {kind} at {where}")
+        root.traceback = evidences[pids[0]].traceback
+        roots.append(root)
+        take(pids)
+
+    # 2. NaN or inf out of finite inputs: one root, whatever else fails
+    nonfinite = [p for p in left if evidences[p].nonfinite]
+    if nonfinite:
+        cover = _best_cover(left, evidences, within=nonfinite)
+        if cover:
+            root = _from_fits(cover[0], nonfinite, order, evidences)
+        else:
+            root = Diagnosis(nonfinite[0], None, "the output has NaN or inf although every input is finite",
+                             "look for exp without subtracting the row max, 0/0 in a normalisation, or "
+                             "reads outside the inputs", nonfinite,
+                             f"{_plural(len(nonfinite), 'failing property')} get NaN or inf from finite inputs "
+                             f"where the correct formula is finite")
+        roots.insert(0, root)
+        take(nonfinite)
+
+    # 3. randomness: the same input, different outputs
+    random = [p for p in left if evidences[p].nondeterministic or (p == "determinism" and not evidences[p].fits)]
+    if random:
+        judged = judge_randomness(target, mistakes) if target is not None else None
+        # outputs that change from call to call cannot be trusted to show another bug: fix this first
+        pids = random + [p for p in left if p not in random]
+        shown = "determinism" if "determinism" in pids else pids[0]
+        evidence = (f"the same inputs gave different outputs when {_plural(len(random), 'failing property')} "
+                    f"were replayed")
+        if judged:
+            m, params = judged
+            roots.append(Diagnosis(shown, m.id, m.describe(params), m.fix_for(params), sorted(pids, key=order.index),
+                                   evidence + f"; repeated readings of one input's weights match {m.id}", params=params))
+        else:
+            roots.append(Diagnosis(shown, None, "the output changes from call to call on the same input",
+                                   "remove randomness and state from inference (dropout, noise, caches)",
+                                   sorted(pids, key=order.index), evidence))
+        take(pids)
+
+    # 4. mistake models: roots found so far absorb what their model reproduces, then the best cover
+    for root in roots:
+        if root.mistake:
+            more = [p for p in left if any(f.mistake.id == root.mistake for f in evidences[p].fits)]
+            root.explains = sorted(root.explains + more, key=order.index)
+            take(more)
+    while left:
+        cover = _best_cover(left, evidences)
+        if cover is None:
+            break
+        roots.append(_from_fits(cover[0], cover[1], order, evidences))
+        take(cover[1])
+
+    # 5. what no model reproduces
+    stateful = next((r for r in roots if r.mistake and _is_stateful(r.mistake, mistakes)), None)
+    for p in list(left):
+        ev = evidences[p]
+        if not ev.reproduced and stateful is not None:
+            stateful.explains = sorted(stateful.explains + [p], key=order.index)
+            continue
+        blocker = next((r for r in roots for b in after.get(p, ()) if b in r.explains), None)
+        if blocker is not None:
+            blocker.explains = sorted(blocker.explains + [p], key=order.index)
+            continue
+        roots.append(_unexplained(p, ev))
+    take(left[:])
+    return _merged(roots, order, mistakes)
+
+
+def _merged(roots: list[Diagnosis], order: list[str], mistakes) -> list[Diagnosis]:
+    """Roots naming the same mistake are one root; each is shown at the property made to catch it."""
+    out: list[Diagnosis] = []
+    for root in roots:
+        same = next((r for r in out if root.mistake and r.mistake == root.mistake and not (r.guess or root.guess)
+                     and r.params == root.params), None)
+        if same is None:
+            out.append(root)
+            continue
+        same.explains = sorted(set(same.explains) | set(root.explains), key=order.index)
+        same.traceback = same.traceback or root.traceback
+        same.evidence = f"{same.evidence}; {root.evidence}"
+    for root in out:
+        m = next((m for m in mistakes if m.id == root.mistake), None)
+        designated = [p for p in (m.caught_by if m else ()) if p in root.explains]
+        if designated:
+            root.root = designated[0]
+        elif root.root not in root.explains:
+            root.root = root.explains[0]
+    return out
+
+
+def _is_stateful(mistake_id, mistakes) -> bool:
+    m = next((m for m in mistakes if m.id == mistake_id), None)
+    return m is not None and (m.stateful or m.level == "stochastic")
+
+
+def _unexplained(pid: str, ev: FailureEvidence) -> Diagnosis:
+    if not ev.reproduced:
+        return Diagnosis(pid, None, "the failure does not happen again when its input is replayed: the target "
+                                    "depends on earlier calls (state kept between calls?)",
+                         "keep no state between calls", [pid], "replayed on fresh instances, the property held")
+    if ev.guess:
+        fit, agreed = ev.guess
+        m = fit.mistake
+        return Diagnosis(pid, m.id, m.describe(fit.params), m.fix_for(fit.params), [pid],
+                         f"a guess: no mistake model reproduces every call; the nearest, {m.id}, reproduces "
+                         f"{agreed} of {fit.calls}", guess=True, params=dict(fit.params))
+    return Diagnosis(pid, None, "no mistake model in the catalog reproduces this failure", "", [pid],
+                     f"none of the mistake models reproduces its {_plural(len(ev.calls), 'call')}")

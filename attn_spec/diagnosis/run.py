@@ -1,0 +1,33 @@
+"""Diagnose a target's failures: replay each one, fit the mistake models, group them by root."""
+from __future__ import annotations
+
+from attn_spec.checking.cases import Case, MhaCase
+from attn_spec.diagnosis.evidence import gather
+from attn_spec.diagnosis.model import MISTAKES
+from attn_spec.diagnosis.roots import Diagnosis, group
+
+
+def case_of(result):
+    """The minimal failing case of a result: kept by the runner, or rebuilt from its counterexample."""
+    case = getattr(result, "case", None)
+    if case is not None or not result.counterexample:
+        return case
+    fields = dict(result.counterexample["case"])
+    if "batch" in fields:
+        fields["batch"] = tuple(fields["batch"])
+    return (MhaCase if "d_model" in fields else Case)(**fields)
+
+
+def diagnose(target, results, registry) -> list[Diagnosis]:
+    """The roots of the failing ``results`` of ``target`` (``registry``: property id -> Property)."""
+    order = [r.id for r in results]
+    failures = [r for r in results if r.status == "fail" and r.id in registry]
+    evidences, shortlist = {}, []
+    for r in failures:
+        case = case_of(r)
+        if case is not None:
+            evidences[r.id] = gather(r.id, registry[r.id].fn, target, case, shortlist=shortlist)
+            shortlist += [f.mistake.id for f in evidences[r.id].fits if f.mistake.id not in shortlist]
+    after = {pid: registry[pid].after for pid in registry}
+    return group([r.id for r in failures], evidences, order=order, after=after, target=target,
+                 mistakes=list(MISTAKES.values()))
