@@ -276,7 +276,9 @@ def mistake_sections(mistake_id: str) -> dict:
     if isinstance(m.params, dict):
         recognise += " Its number is fitted to the failing call, then checked on every other call."
     elif m.params and m.level != "stochastic":
-        recognise += f" Settings tried: {', '.join(', '.join(f'{k}={v:g}' for k, v in p.items()) for p in m.params)}."
+        tried = ", ".join(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items())
+                          for p in m.params)
+        recognise += f" Settings tried: {tried}."
     return {"id": m.id, "family": m.family, "level": m.level, "does": m.describe(), "fix": m.fix_for(),
             "code": m.code, "recognise": recognise, "example": _mistake_example(m)}
 
