@@ -3,19 +3,39 @@ import tempfile
 
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "attn-spec-hypothesis"))
 
+# The gallery's figures, gathered from the tests' record_property() so that they reach the summary
+# under xdist too (the workers' reports carry them to the controller).
+GALLERY: dict[str, dict] = {"kills": {}, "alarms": {}, "diagnosed": {}}
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call":
+        return
+    for name, value in getattr(report, "user_properties", ()):
+        if name in GALLERY:
+            entry, result = value
+            if name == "alarms":
+                GALLERY[name].setdefault(entry, []).extend(result)
+            else:
+                GALLERY[name][entry] = result
+
 
 def pytest_terminal_summary(terminalreporter):
-    """Print the gallery's mutation score and false-alarm count after the run."""
-    import sys
-
-    module = sys.modules.get("test_gallery")
-    if module is None or not (module.KILLS or module.ALARMS):
+    """Print the gallery's mutation score, diagnosis accuracy and false-alarm count after the run."""
+    kills, alarms, named = GALLERY["kills"], GALLERY["alarms"], GALLERY["diagnosed"]
+    if not (kills or alarms):
         return
-    kills, alarms = module.KILLS, module.ALARMS
     false_alarms = sorted(name for name, failed in alarms.items() if failed)
     terminalreporter.write_sep("=", "attention gallery")
-    terminalreporter.write_line(f"mutation score: {sum(kills.values())}/{len(kills)} buggy attentions killed"
-                                + (f" (survivors: {', '.join(n for n, k in kills.items() if not k)})"
-                                   if not all(kills.values()) else ""))
-    terminalreporter.write_line(f"false alarms: {len(false_alarms)} of {len(alarms)} correct variants"
-                                + (f" ({', '.join(false_alarms)})" if false_alarms else ""))
+    if kills:
+        terminalreporter.write_line(f"mutation score: {sum(kills.values())}/{len(kills)} buggy attentions killed"
+                                    + (f" (survivors: {', '.join(n for n, k in kills.items() if not k)})"
+                                       if not all(kills.values()) else ""))
+    if named:
+        terminalreporter.write_line(f"diagnosis accuracy: {sum(named.values())}/{len(named)} buggy attentions get one "
+                                    f"root naming their own mistake"
+                                    + (f" (not named: {', '.join(n for n, ok in named.items() if not ok)})"
+                                       if not all(named.values()) else ""))
+    if alarms:
+        terminalreporter.write_line(f"false alarms: {len(false_alarms)} of {len(alarms)} correct variants"
+                                    + (f" ({', '.join(false_alarms)})" if false_alarms else ""))

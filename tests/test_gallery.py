@@ -1,34 +1,48 @@
-"""The kit judged by the gallery: every bug caught by the properties that exist for it, no
-false alarm on any correct variant (``tests/gallery``)."""
+"""The kit judged by the gallery: every bug caught by the properties that exist for it, one root per
+bug naming the bug's own mistake, and no false alarm (nor any diagnosis) on a correct variant
+(``tests/gallery``)."""
 import pytest
 
 import attn_spec
 from gallery import BUGGY, CORRECT
 
 SEED = 20261129
-KILLS: dict[str, bool] = {}  # buggy entry -> caught; read by conftest's summary
-ALARMS: dict[str, list[str]] = {}  # correct entry -> properties that failed
+# Entries whose one root does not (yet) name their declared mistake, listed so that a regression (or a
+# fix) of the diagnosis shows: each must stay undiagnosed until it is removed from this list.
+UNDIAGNOSED: set[str] = set()
 
 
 @pytest.mark.parametrize("profile", ["quick", "default"])
 @pytest.mark.parametrize("entry", CORRECT, ids=str)
-def test_correct_variant_conforms(entry, profile):
+def test_correct_variant_conforms(entry, profile, record_property):
     report = attn_spec.check(entry.obj, name=entry.name, convention=entry.convention, profile=profile, seed=SEED)
     failed = [p.id for p in report.targets[0].properties if p.status not in ("pass", "skip")]
-    ALARMS.setdefault(entry.name, []).extend(failed)
+    record_property("alarms", (entry.name, failed))  # conftest's summary: false alarms
     assert report.conforms, str(report)
+    assert report.targets[0].diagnoses == []
 
 
 @pytest.mark.parametrize("entry", BUGGY, ids=str)
-def test_bug_is_caught(entry):
-    report = attn_spec.check(entry.obj, name=entry.name, convention=entry.convention, profile="quick",
-                             seed=SEED, only=list(entry.catches))
-    results = {p.id: p for p in report.targets[0].properties}
+def test_bug_is_caught_and_named(entry, record_property):
+    """The whole catalog on each bug: the properties made for it fail, and the report has exactly one
+    root, which names the entry's declared mistake model (attn-spec list --mistakes)."""
+    report = attn_spec.check(entry.obj, name=entry.name, convention=entry.convention, profile="quick", seed=SEED)
+    target = report.targets[0]
+    results = {p.id: p for p in target.properties}
     missed = [pid for pid in entry.catches if results[pid].status != "fail"]
-    KILLS[entry.name] = not missed
+    record_property("kills", (entry.name, not missed))  # conftest's summary: the mutation score
     assert not missed, f"{entry.name} ({entry.bug}) was not caught by {missed}\n{report}"
-    for pid in entry.catches:  # a failure must teach: message, counterexample and reproduction
-        r = results[pid]
-        assert r.message
-        if not r.blocked_by:
-            assert r.counterexample and "attn_spec.reproduce" in r.counterexample["reproduce"]
+    roots = target.diagnoses
+    named = len(roots) == 1 and roots[0].mistake == entry.mistake and not roots[0].guess
+    record_property("diagnosed", (entry.name, named))  # conftest's summary: the diagnosis accuracy
+    failed = {p.id for p in target.properties if p.status == "fail"}
+    assert {pid for d in roots for pid in d.explains} == failed  # every failure belongs to a root
+    for d in roots:  # a root teaches: its failure's message, counterexample and reproduction
+        shown = results[d.root]
+        assert d.sentence and d.evidence and shown.message
+        assert shown.counterexample and "attn_spec.reproduce" in shown.counterexample["reproduce"]
+    if entry.name in UNDIAGNOSED:
+        assert not named, f"{entry.name} is diagnosed now: remove it from UNDIAGNOSED"
+    else:
+        assert named, (f"{entry.name} ({entry.bug}): expected one root naming {entry.mistake}, got "
+                       f"{[(d.mistake, d.explains) for d in roots]}\n{report}")

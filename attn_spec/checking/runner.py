@@ -23,6 +23,7 @@ from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
 from attn_spec.checking.strategies import get_profile
+from attn_spec.diagnosis.run import diagnose_report
 
 
 def _snippet(prop: Property, case, target_name: str, convention: str, seed: int) -> str:
@@ -106,6 +107,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
         result.counterexample = _counterexample(prop, failure, failure.attn_case, target, seed)
+        result.case = failure.attn_case
     except Unsatisfiable:
         pass  # every input was unsupported: reported as a skip below
     except Flaky as exc:
@@ -180,6 +182,8 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices)
     report.properties = [results[p.id] for p in props]
     mark_blocked(report.properties)
+    if any(r.status == "fail" for r in report.properties):
+        diagnose_report(target, report, REGISTRY)
     # The header's probes run last, so that the properties' calls come first (a verdict sooner).
     report.behaviours = probe_behaviours(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
     report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])

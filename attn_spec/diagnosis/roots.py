@@ -43,7 +43,9 @@ def _key(fit) -> tuple:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    if n == 1:
+        return f"1 {word}"
+    return f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
 
 
 def _from_fits(fits: list, pids: list[str], order: list[str], evidences) -> Diagnosis:

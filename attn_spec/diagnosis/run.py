@@ -31,3 +31,15 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     after = {pid: registry[pid].after for pid in registry}
     return group([r.id for r in failures], evidences, order=order, after=after, target=target,
                  mistakes=list(MISTAKES.values()))
+
+
+def diagnose_report(target, report, registry) -> None:
+    """Fill ``report.diagnoses`` and make each explained failure point at its root (``blocked_by``, ``cause``)."""
+    report.diagnoses = diagnose(target, report.properties, registry)
+    by_id = {r.id: r for r in report.properties}
+    for d in report.diagnoses:
+        for pid in d.explains:
+            result = by_id[pid]
+            result.blocked_by = None if pid == d.root else d.root
+            if d.mistake and not d.guess:
+                result.cause = d.sentence

@@ -19,6 +19,7 @@ class PropertyResult:
     blocked_by: str | None = None
     expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
     found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
+    case: object = field(default=None, repr=False, compare=False)  # the minimal failing case (not serialised)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
@@ -36,6 +37,7 @@ class TargetReport:
     behaviours: dict = field(default_factory=dict)  # probed behaviours (attn_spec.targets.behaviours), key -> value
     capabilities: dict = field(default_factory=dict)  # attn_spec.targets.capabilities: name -> yes | no | raises | n/a ...
     lacks: dict = field(default_factory=dict)  # name -> why, for each capability that is not "yes"
+    diagnoses: list = field(default_factory=list)  # attn_spec.diagnosis.roots.Diagnosis: one per root cause
 
     @property
     def conforms(self) -> bool:
@@ -60,7 +62,9 @@ class TargetReport:
                  f"{', '.join(p.id for p in expected)}") if expected else ""
         if self.conforms:
             return f"CONFORMS ({known})" if known else "CONFORMS"
-        return f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{'; ' + known if known else ''})"
+        roots = f"; {len(self.diagnoses)} root cause{'s' if len(self.diagnoses) != 1 else ''}" if self.diagnoses else ""
+        return (f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{roots}"
+                f"{'; ' + known if known else ''})")
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
@@ -68,6 +72,7 @@ class TargetReport:
                 "calls": self.calls, "behaviours": dict(self.behaviours),
                 "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
                 "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
+                "diagnoses": [d.to_dict() for d in self.diagnoses],
                 "properties": [p.to_dict() for p in self.properties]}
 
 

@@ -86,15 +86,19 @@ def header_lines(t: TargetReport) -> list[str]:
 
 
 def _summary_rows(target: TargetReport):
+    roots = {pid: (i, d.root) for i, d in enumerate(target.diagnoses, 1) for pid in d.explains}
     for p in target.properties:
         if p.status == "not-run":
             continue  # one line below the table says how many and why
         verdict = p.status if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
+        if p.status == "fail" and p.id in roots:
+            i, shown = roots[p.id]
+            verdict = f"fail (root {i})" if shown == p.id else f"fail (root {i}: blocked by {shown})"
         verdict += " (expected)" if p.expected else ""
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
 
 
-def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> str:
+def failure_section(p: PropertyResult, markdown: bool, colour: bool = False, cause: bool = True) -> str:
     """One failure as a lesson: statement, what happened, likely cause, counterexample, reproduction."""
     lines = []
     head = f"{p.id}: {p.statement}" if p.statement else p.id
@@ -102,7 +106,7 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> 
     pad = "" if markdown else "  "
     bullet = "- " if markdown else pad
     lines.append(f"{bullet}what happened: {p.message}")
-    if p.cause:
+    if p.cause and cause:
         lines.append(f"{bullet}likely cause: {p.cause}")
     ce = p.counterexample
     if ce:
@@ -121,6 +125,37 @@ def failure_text(result) -> str:
     text = failure_section(result, markdown=False)
     trace = (result.counterexample or {}).get("traceback")
     return f"{text}\n  traceback of the target:\n{trace}" if trace else text
+
+
+def root_head(d, index: int, total: int) -> str:
+    """The one line that names a root: the mistake and what it does, or what is known without one."""
+    if d.guess:
+        return f"root {index} of {total}: no mistake model reproduces it; the nearest (a guess): {d.sentence}"
+    return f"root {index} of {total}: {d.sentence}" + (f" [{d.mistake}]" if d.mistake else "")
+
+
+def root_section(d, index: int, total: int, results: dict, markdown: bool, colour: bool = False) -> str:
+    """One root cause: what it is, its fix and evidence, the failure that shows it, the ones it explains."""
+    pad = "" if markdown else "  "
+    bullet = "- " if markdown else pad
+    lines = [f"### {root_head(d, index, total)}" if markdown else root_head(d, index, total)]
+    if d.fix:
+        lines.append(f"{bullet}fix: {d.fix}")
+    lines.append(f"{bullet}evidence: {d.evidence}")
+    lines.append(f"{bullet}explains: {', '.join(d.explains)}"
+                 + (f" (attn-spec explain {d.mistake} for the lesson)" if d.mistake else ""))
+    if d.traceback:
+        lines.append(f"{bullet}traceback of the target:")
+        lines.append("```\n" + d.traceback + "\n```" if markdown else "\n".join(pad * 2 + x for x in d.traceback.splitlines()))
+    shown = results.get(d.root)
+    if shown is not None:
+        lines.append("\n" + failure_section(shown, markdown, colour, cause=not d.mistake or d.guess))
+    others = [results[p] for p in d.explains if p != d.root and p in results]
+    if others:
+        lines.append(f"{bullet}{'also failing because of this root' if d.mistake and not d.guess else 'blocked by it'}"
+                     f" (fix it first):")
+        lines += [f"{'  - ' if markdown else pad * 2}{p.id}: {_short(p.message, 160)}" for p in others]
+    return "\n".join(lines)
 
 
 def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
@@ -142,7 +177,13 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
         not_run = [p for p in t.properties if p.status == "not-run"]
         if not_run:
             out.append(f"{'- ' if markdown else '  '}{len(not_run)} not run: {not_run[0].message}")
+        results = {p.id: p for p in t.failures}
+        for i, d in enumerate(t.diagnoses, 1):
+            out.append("\n" + root_section(d, i, len(t.diagnoses), results, markdown, colour))
+        explained = {pid for d in t.diagnoses for pid in d.explains}
         for p in t.failures:
+            if p.id in explained:
+                continue
             if p.blocked_by:
                 out.append(f"\n{'- ' if markdown else ''}{p.id} is blocked by {p.blocked_by}: fix that first "
                            f"({p.message})")
