@@ -124,8 +124,22 @@ def reproduce(property_id: str, target, case, *, convention=None) -> None:
     try:
         prop.fn(adapter, case)
     except Failure as failure:
-        restate(failure, f"{property_id}: ")
+        restate(failure, f"{property_id}: ", _diagnosed(property_id, adapter, case, failure))
     print(f"{property_id} holds on {case.summary()}")
+
+
+def _diagnosed(property_id: str, adapter, case, failure: Failure) -> str:
+    """What the diagnosis finds for this one failure, and the target's own traceback when it raised."""
+    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.diagnosis.run import diagnose_one
+    from attn_spec.report import PropertyResult
+    from attn_spec.report.text import diagnosis_lines
+
+    result = PropertyResult(property_id, "fail", failure.message, cause=failure.cause, case=case)
+    diagnosis = diagnose_one(adapter, result, REGISTRY)
+    lines = diagnosis_lines(diagnosis, pad="")
+    trace = getattr(failure, "user_traceback", "") or getattr(diagnosis, "traceback", "")
+    return "\n".join(lines + (["traceback of the target:", trace] if trace else []))
 
 
 __all__ = ["check", "reproduce", "plan", "load_targets", "run", "Plan"]

@@ -27,9 +27,11 @@ class Failure(AttnSpecError, AssertionError):
     sentence; ``got``/``expected`` are small tensors to print side by side.
     """
 
-    def __init__(self, message: str, *, cause: str = "", got=None, expected=None):
+    def __init__(self, message: str, *, cause: str = "", got=None, expected=None, labels=None, inputs=None):
         super().__init__(message)
         self.message, self.cause, self.got, self.expected = message, cause, got, expected
+        self.labels = labels  # (what got is, what expected is), e.g. ("weights read with V = identity", ...)
+        self.inputs = inputs  # name -> tensor: the inputs of the call shown, when they are not the case's
 
 
 class TargetRaised(Failure):

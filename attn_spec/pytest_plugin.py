@@ -151,6 +151,7 @@ class Checker:
 
         self.settings, self.profile, self.convention = settings, settings["profile"], settings["convention"]
         self.failed: dict[str, set[str]] = {}  # target key -> ids that failed so far in this session
+        self.named: dict[str, dict[str, str]] = {}  # target key -> mistake id -> the property that named it first
         self.probed: dict[str, object] = {}  # target key -> TargetReport with the header's probes
         try:
             self.plan = api.plan(settings)
@@ -232,7 +233,9 @@ class PropertyItem(_AttnItem):
         self.prop = prop
 
     def runtest(self) -> None:
+        from attn_spec.checking.catalog import REGISTRY
         from attn_spec.checking.runner import run_property
+        from attn_spec.diagnosis.run import diagnose_one
         from attn_spec.report.text import failure_text
 
         c = self.checker
@@ -242,11 +245,18 @@ class PropertyItem(_AttnItem):
             pytest.skip(f"{self.prop.id}: {result.message}")
         if result.status in ("fail", "error"):
             failed = c.failed.setdefault(self.key, set())
+            named = c.named.setdefault(self.key, {})  # mistake id -> the first item that named it
+            diagnosis = diagnose_one(c.targets[self.key], result, REGISTRY, shortlist=list(named))
             blockers = [b for b in self.prop.after if b in failed]
             failed.add(self.prop.id)
             note = (f"note: {blockers[0]} already failed on this target, and its failure explains this one: "
                     f"fix that first" if blockers else "")
-            self.fail(failure_text(result), self.prop.id, note)
+            if diagnosis is not None and diagnosis.mistake and not diagnosis.guess:
+                if diagnosis.mistake in named:
+                    note = (f"note: {named[diagnosis.mistake]} already failed on this target with the same root "
+                            f"({diagnosis.mistake}): fix that first")
+                named.setdefault(diagnosis.mistake, self.prop.id)
+            self.fail(failure_text(result, diagnosis), self.prop.id, note)
 
 
 class RequirementItem(_AttnItem):

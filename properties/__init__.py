@@ -25,6 +25,7 @@ import random
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.runner import run_property
+from attn_spec.diagnosis.run import diagnose_one
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import KitUsageError
 from attn_spec.report.text import failure_text
@@ -75,5 +76,5 @@ def check_property(property_id: str, target, *, convention=None, profile="defaul
     result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=list(dtypes or DTYPES),
                           devices=list(devices or available_devices()))
     if result.status in ("fail", "error"):
-        raise AssertionError(failure_text(result))
+        raise AssertionError(failure_text(result, diagnose_one(adapter, result, REGISTRY)))
     return result

@@ -15,6 +15,7 @@ from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.errors import Failure, Unsupported
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.diagnosis.numbers import masked_share, name_scale, weight_factor
 
 
 def _ones_like_values(k):
@@ -41,17 +42,19 @@ def rows_sum_to_one(target, case):
     sums = probes.row_sums(target, q, k, mask)  # [..., Tq]
     allowed = budget(q, k, ones, mask, torch.ones(*sums.shape, 1, dtype=torch.float64))
     w = probes.weights(target, q, k, mask)  # [..., Tq, Tk]
+    ref_w = reference.attention(q, k, k, mask)[1]  # [..., Tq, Tk]
+    labels = ("the weights, read with V = identity", "the reference's weights")
     if max_error(sums, torch.ones(sums.shape, dtype=torch.float64)) > allowed:
         col_sums = w.double().sum(dim=-2)  # [..., Tk]
         cause = ("weights sum over queries, not keys (softmax over dim -2?)"
                  if case.n_q > 1 and max_error(col_sums, torch.ones_like(col_sums)) <= allowed * case.n_q
-                 else "the weights are not normalised by the sum over keys")
+                 else weight_factor(w, ref_w) or "the weights are not normalised by the sum over keys")
         fail(_fmt(sums), what="the row sums of the weights", expected="1", budget=allowed,
-             call="attention(Q, K, V=ones)", cause=cause, got=w, expected_tensor=reference.attention(q, k, k, mask)[1])
+             call="attention(Q, K, V=ones)", cause=cause, got=w, expected_tensor=ref_w, labels=labels)
     if w.double().min().item() < -allowed:
         fail(f"{w.double().min().item():.3g}", what="the smallest weight", expected="a weight >= 0", budget=allowed,
              call="attention(Q, K, V=identity)", cause="weights are not a softmax (no exp?)", got=w,
-             expected_tensor=reference.attention(q, k, k, mask)[1])
+             expected_tensor=ref_w, labels=labels)
 
 
 @derivation("rows-sum-to-one")
@@ -97,14 +100,16 @@ def causal_mask(target, case):
     ref_w = reference.attention(q, k, v, mask)[1]  # [..., Tq, Tk]
     future = ~reference.causal_mask(case.n_q, case.n_kv)  # [Tq, Tk]
     leak = w.masked_fill(~future, 0.0).abs()
+    labels = ("the weights, read with V = identity", "the reference's weights")
     if leak.max().item() > 0:
         diag = torch.diagonal(w, dim1=-2, dim2=-1)
-        cause = ("the mask is applied with inverted polarity (True taken as 'ignore')"
+        cause = ("the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get the weight"
                  if w.masked_fill(future, 0.0).abs().max() < 1e-3
                  else "the causal mask is shifted by one (the diagonal is masked)" if diag.abs().max() < 1e-3
-                 else "the mask is ignored or applied after the softmax")
+                 else masked_share(w, ~future) or "the mask is ignored or applied after the softmax")
         fail(f"{leak.max().item():.3g}: queries see future keys", what="the largest weight above the diagonal",
-             expected="0", call="attention(Q, K, V=identity, causal mask)", cause=cause, got=w, expected_tensor=ref_w)
+             expected="0", call="attention(Q, K, V=identity, causal mask)", cause=cause, got=w, expected_tensor=ref_w,
+             labels=labels)
     dropped = (ref_w > 1e-3) & (w == 0)  # an allowed key the target never looks at
     if dropped.any():
         i, j = [int(x) for x in dropped.nonzero()[0][-2:]]
@@ -112,7 +117,7 @@ def causal_mask(target, case):
              expected=f"the reference weight {ref_w[..., i, j].flatten()[0].item():.3g}",
              call="attention(Q, K, V=identity, causal mask)",
              cause="the causal mask is off by one (triu with diagonal=0 masks the current token?)",
-             got=w, expected_tensor=ref_w)
+             got=w, expected_tensor=ref_w, labels=labels)
     split = case.n_kv // 2  # keys and values from here on are the future of the first `split` queries
     k2, v2 = k.clone(), v.clone()
     k2[..., split:, :] = -k2[..., split:, :] * 3 + 1
@@ -123,7 +128,8 @@ def causal_mask(target, case):
     assert_close(after, before, budget=2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0]),
                  what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
                  call="attention(Q, K', V', causal mask)",
-                 cause="the output reads the future even though the weights look causal")
+                 cause="the output reads the future even though the weights look causal",
+                 labels=("the outputs with the future keys and values changed", "the outputs before the change"))
 
 
 @prop("permutation-equivariance", family="symmetry",
@@ -145,7 +151,8 @@ def permutation_equivariance(target, case):
     sums over the key axis. Modules are checked through their own multi-head forward.
     """
     gen = torch.Generator().manual_seed(case.seed)
-    p, s = torch.randperm(case.n_q, generator=gen), torch.randperm(case.n_kv, generator=gen)
+    p, s = _shuffle(case.n_q, gen), _shuffle(case.n_kv, gen)
+    moved = ("the output on permuted inputs", "the first output, permuted")
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
         x_q, x_kv, weights, mask = case.tensors()
@@ -157,7 +164,7 @@ def permutation_equivariance(target, case):
             got = target.multihead(x_p, x_p, weights, case.n_heads, None if mask is None else mask[p][:, p])
             assert_close(got, out[p], budget=allowed,
                          what=f"the output for the tokens permuted by {p.tolist()} against the permuted output rows",
-                         call="forward(x[p], x[p])",
+                         call="forward(x[p], x[p])", labels=moved,
                          cause="outputs depend on token positions (heads split without transpose?)")
             return
 
@@ -165,6 +172,7 @@ def permutation_equivariance(target, case):
             return target.multihead(queries, keys, weights, case.n_heads, m)
         queries, keys = x_q, x_kv
         name, kv, kv_permuted = "forward", "x_kv", "x_kv[s]"
+        where = "heads split or merged without transpose? a hard-coded mask?"
     else:
         q, k, v, mask = case.tensors()
         allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])
@@ -173,18 +181,25 @@ def permutation_equivariance(target, case):
             return target.attend(queries, keys[0], keys[1], m)
         queries, keys = q, (k, v)
         name, kv, kv_permuted = "attention", "K, V", "K[s], V[s]"
+        where = "a hard-coded mask? a position-dependent term?"
     out = run(queries, keys, mask)  # [..., Tq, Dv]
-    got = run(queries[..., p, :], keys, None if mask is None else mask[..., p, :])
-    assert_close(got, out[..., p, :], budget=allowed,
-                 what=f"the output for the queries permuted by {p.tolist()} against the permuted output rows",
-                 call=f"{name}(Q[p], {kv})",
-                 cause="outputs depend on query positions (heads split without transpose? hard-coded mask?)")
+    if case.n_q > 1:  # one query has no other order
+        got = run(queries[..., p, :], keys, None if mask is None else mask[..., p, :])
+        assert_close(got, out[..., p, :], budget=allowed,
+                     what=f"the output for the queries permuted by {p.tolist()} against the permuted output rows",
+                     call=f"{name}(Q[p], {kv})", labels=moved, cause=f"outputs depend on query positions ({where})")
     shuffled = keys[..., s, :] if isinstance(keys, torch.Tensor) else tuple(t[..., s, :] for t in keys)
     got = run(queries, shuffled, None if mask is None else mask[..., :, s])
     assert_close(got, out, budget=allowed,
                  what=f"the output for keys and values permuted together by {s.tolist()} against the output",
-                 call=f"{name}(Q, {kv_permuted})",
+                 call=f"{name}(Q, {kv_permuted})", labels=("the output on permuted keys and values", "the first output"),
                  cause="outputs depend on key positions (a built-in mask or positional term?)")
+
+
+def _shuffle(n: int, gen) -> torch.Tensor:
+    """A random permutation of n items that moves something (never the identity when n > 1)."""
+    p = torch.randperm(n, generator=gen)
+    return p.roll(1) if n > 1 and torch.equal(p, torch.arange(n)) else p
 
 
 _SCALE_EXAMPLES = [MhaCase(n_q=1, n_kv=2, d_model=16, n_heads=2), Case(n_q=1, n_kv=2, d_k=16, d_v=1)]
@@ -207,24 +222,36 @@ def scale_sqrt_dk(target, case):
     """
     dtype, tol = (torch.float64, 1e-6) if case.dtype == "float64" else (torch.float32, 1e-3)
     if isinstance(case, MhaCase):
-        d_head = case.d_model // case.n_heads
-        found = probes.scale_module(target, d_head, case.n_heads, dtype, case.device)
-        d_k, d_model = d_head, case.d_model
+        d_k, n_heads = case.d_model // case.n_heads, case.n_heads
+        found = probes.scale_module(target, d_k, n_heads, dtype, case.device)
+
+        def at(width):  # the scale of the first head, at another head width
+            return probes.scale_module(target, width, n_heads, dtype, case.device)[0]
     else:
-        d_k, d_model = case.d_k, None
+        d_k, n_heads = case.d_k, 1
         found = [probes.scale_function(target, d_k, dtype, case.device)]
+
+        def at(width):
+            return probes.scale_function(target, width, dtype, case.device)
     expected = 1 / math.sqrt(d_k)
     for s in found:
         if not math.isclose(s, expected, rel_tol=tol):
-            name = probes.name_scale(s, d_k, d_model)
+            other = 4 * d_k if d_k <= 64 else d_k // 4  # a second width reveals the law c * d_k^p
+            law = {d_k: s, other: at(other)}
+            name = name_scale(law, n_heads)
             gap = math.sqrt(d_k)  # raw score gap between the probe's two keys
             got, want = torch.sigmoid(torch.tensor(s * gap, dtype=torch.float64)), torch.sigmoid(torch.tensor(1.0))
-            fail(f"{s:.4g} = {name}", what="the recovered scale (read from the weights shown)",
+            fail(f"{s:.4g} at d_k={d_k} and {law[other]:.4g} at d_k={other}: {name}",
+                 what="the recovered scale (read from the weights shown)",
                  expected=f"{expected:.4g} = 1/sqrt(d_k) at d_k={d_k}", budget=f"relative {tol:g}",
                  call="forward(x, x), x = [e_0, (1 + sqrt(d_k)) e_0] in each head, identity projections"
                  if isinstance(case, MhaCase) else "attention(q = e_0, K = [0, sqrt(d_k) e_0], V = [[0], [1]])",
-                 cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)",
-                 got=torch.stack([1 - got, got])[None], expected_tensor=torch.stack([1 - want, want])[None])
+                 cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)"
+                 if not name.startswith(("unreadable", "negative")) else f"the scale is {name}",
+                 got=torch.stack([1 - got, got])[None], expected_tensor=torch.stack([1 - want, want])[None],
+                 labels=(f"the probe's weights on its two keys at d_k={d_k}", "the weights at scale 1/sqrt(d_k)"),
+                 inputs={"x": probes.scale_module_input(d_k, n_heads, dtype)} if isinstance(case, MhaCase) else
+                 dict(zip(("q", "K", "V"), probes.scale_function_inputs(d_k, dtype))))
 
 
 def cross_or_self(target, case: MhaCase) -> MhaCase:

@@ -45,10 +45,14 @@ def message(measured: str, *, what: str = "", expected: str = "", budget=None, c
 
 
 def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call: str = "", cause: Cause = "",
-         got=None, expected_tensor=None) -> NoReturn:
-    """Raise the Failure: the property does not hold on this case."""
+         got=None, expected_tensor=None, labels=None, inputs=None) -> NoReturn:
+    """Raise the Failure: the property does not hold on this case. ``labels``: what the shown tensors are,
+    (got, expected); by default the result of ``call`` and the float64 reference. ``inputs``: the tensors
+    ``call`` was given, when they are not the case's own (a probe's)."""
+    labels = labels or (f"the result of {call}" if call else "the target's result", "the float64 reference")
     raise Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
-                  cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor)
+                  cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
+                  inputs=inputs)
 
 
 def _check_budget(budget: float, what: str) -> None:
@@ -56,11 +60,17 @@ def _check_budget(budget: float, what: str) -> None:
         raise ValueError(f"attn-spec computed an invalid budget ({budget}) for {what}")
 
 
+NONFINITE_CAUSE = ("the target's output has NaN or inf on finite inputs: this comparison cannot tell anything "
+                   "else until that is fixed")
+
+
 def assert_close(got: torch.Tensor, expected: torch.Tensor, *, budget: float, what: str, call: str = "",
-                 cause: Cause = "", shown=None) -> float:
+                 cause: Cause = "", shown=None, labels=None) -> float:
     """max |got - expected| <= budget; NaN or inf anywhere is an infinite error, which fails. Returns the error.
 
-    ``shown``: the (got, expected) tensors to print when they are not the two compared.
+    ``shown``: the (got, expected) tensors to print when they are not the two compared. An ``expected``
+    with NaN or inf (the target's own output, transformed) gives no lesson of its own: the failure says
+    so ("NaN or inf on both sides") instead of ``cause``.
     """
     _check_budget(budget, what)
     err = max_error(got, expected)
@@ -68,22 +78,30 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, *, budget: float, wh
         return err
     measured = f"max error {number(err)}"
     if math.isinf(err):
-        side = "the result has" if not torch.isfinite(got.detach()).all() else "the expected values have"
-        measured += f" ({side} NaN or inf)"
+        bad_got, bad_expected = (not torch.isfinite(t.detach()).all() for t in (got, expected))
+        side = ("NaN or inf on both sides" if bad_got and bad_expected else
+                "the result has NaN or inf" if bad_got else "the expected values have NaN or inf")
+        measured += f" ({side})"
+        if bad_expected:
+            cause = NONFINITE_CAUSE
     shown_got, shown_expected = shown if shown is not None else (got, expected)
-    fail(measured, what=what, budget=budget, call=call, cause=cause, got=shown_got, expected_tensor=shown_expected)
+    fail(measured, what=what, budget=budget, call=call, cause=cause, got=shown_got, expected_tensor=shown_expected,
+         labels=labels)
 
 
 def assert_within(value: float, limit: float, *, what: str, call: str = "", cause: Cause = "", got=None,
-                  expected_tensor=None) -> None:
+                  expected_tensor=None, labels=None) -> None:
     """value <= limit (a NaN value fails): a measured deviation within its budget."""
     _check_budget(limit, what)
     if not value <= limit:
-        fail(number(value), what=what, budget=limit, call=call, cause=cause, got=got, expected_tensor=expected_tensor)
+        fail(number(value), what=what, budget=limit, call=call, cause=cause, got=got, expected_tensor=expected_tensor,
+             labels=labels)
 
 
-def restate(failure: Failure, prefix: str) -> NoReturn:
-    """Raise ``failure`` again with ``prefix`` and its cause in the message (a reproduction prints it whole)."""
+def restate(failure: Failure, prefix: str, notes: str = "") -> NoReturn:
+    """Raise ``failure`` again with ``prefix``, its cause and ``notes`` in the message (a reproduction
+    prints it whole)."""
     note = f"\nlikely cause: {failure.cause}" if failure.cause else ""
+    note += f"\n{notes}" if notes else ""
     raise Failure(f"{prefix}{failure.message}{note}", cause=failure.cause, got=failure.got,
-                  expected=failure.expected) from None
+                  expected=failure.expected, labels=failure.labels, inputs=failure.inputs) from None

@@ -27,20 +27,32 @@ def row_sums(target, q, k, mask=None) -> torch.Tensor:
     return target.attend(q, k, ones, mask)[..., 0]  # [..., Tq]
 
 
+def scale_function_inputs(d_k: int, dtype=torch.float64, device="cpu"):
+    """(q, k, v) of the scale probe at key width d_k: q = e_0, K = [0, sqrt(d_k) e_0], V = [[0], [1]]."""
+    q = torch.zeros(1, d_k, dtype=dtype, device=device)  # [Tq=1, Dk]
+    q[0, 0] = 1
+    k = torch.zeros(2, d_k, dtype=dtype, device=device)  # [Tk=2, Dk]
+    k[1, 0] = math.sqrt(d_k)
+    v = torch.tensor([[0.0], [1.0]], dtype=dtype, device=device)  # [Tk=2, Dv=1]
+    return q, k, v
+
+
 def scale_function(target, d_k: int, dtype=torch.float64, device="cpu") -> float:
     """The scale s in softmax(s * Q K^T) of an attention function, at key width d_k.
 
     One query e_0 and two keys, 0 and g * e_0 with g = sqrt(d_k): raw scores 0 and g, so a
     correct target puts weight sigmoid(1) on key 1. V = [[0], [1]] reads that weight.
     """
-    g = math.sqrt(d_k)
-    q = torch.zeros(1, d_k, dtype=dtype, device=device)  # [Tq=1, Dk]
-    q[0, 0] = 1
-    k = torch.zeros(2, d_k, dtype=dtype, device=device)  # [Tk=2, Dk]
-    k[1, 0] = g
-    v = torch.tensor([[0.0], [1.0]], dtype=dtype, device=device)  # [Tk=2, Dv=1]
-    w = target.attend(q, k, v)[0, 0].item()
-    return _logit(w) / g
+    w = target.attend(*scale_function_inputs(d_k, dtype, device))[0, 0].item()
+    return _logit(w) / math.sqrt(d_k)
+
+
+def scale_module_input(d_head: int, n_heads: int, dtype=torch.float64, device="cpu"):
+    """x [2, D] of the module scale probe: tokens e_0 and (1 + sqrt(d_head)) e_0 in each head's first column."""
+    first = torch.arange(n_heads) * d_head  # first column of each head
+    x = torch.zeros(2, d_head * n_heads, dtype=dtype, device=device)  # [T=2, D]
+    x[0, first], x[1, first] = 1.0, 1.0 + math.sqrt(d_head)
+    return x
 
 
 def scale_module(target, d_head: int, n_heads: int, dtype=torch.float64, device="cpu") -> list[float]:
@@ -53,29 +65,12 @@ def scale_module(target, d_head: int, n_heads: int, dtype=torch.float64, device=
     """
     d_model, g = d_head * n_heads, math.sqrt(d_head)
     eye = torch.eye(d_model, dtype=dtype, device=device)  # [D, D]
-    first = torch.arange(n_heads) * d_head  # first column of each head
-    x = torch.zeros(2, d_model, dtype=dtype, device=device)  # [T=2, D]
-    x[0, first], x[1, first] = 1.0, 1.0 + g
+    x = scale_module_input(d_head, n_heads, dtype, device)
     out = target.multihead(x, x, dict.fromkeys(("W_Q", "W_K", "W_V", "W_O"), eye), n_heads)  # [2, D]
-    return [_logit((y - 1.0) / g) / g for y in out[0, first].tolist()]
+    return [_logit((y - 1.0) / g) / g for y in out[0, torch.arange(n_heads) * d_head].tolist()]
 
 
 def _logit(w: float) -> float:
     if not 0.0 < w < 1.0:
         return math.inf if w >= 1.0 else -math.inf if w <= 0.0 else math.nan
     return math.log(w / (1.0 - w))
-
-
-def name_scale(s: float, d_k: int, d_model: int | None = None) -> str:
-    """Put a name on a recovered scale: '1/sqrt(d_k)', '1/d_k', '1 (no scaling)', ..."""
-    candidates = [(1 / math.sqrt(d_k), "1/sqrt(d_k)"), (1 / d_k, "1/d_k"), (1.0, "1 (no scaling)"),
-                  (math.sqrt(d_k), "sqrt(d_k) (multiplied instead of divided)"),
-                  (1 / d_k**1.5, "1/d_k^1.5 (scaled twice)"), (1 / math.sqrt(64), "1/8 = 1/sqrt(64), a hard-coded d_k?")]
-    if d_model and d_model != d_k:
-        candidates.insert(1, (1 / math.sqrt(d_model), "1/sqrt(d_model) (the whole width, not one head's)"))
-    if not math.isfinite(s):
-        return "undefined (the weight on the larger key was 0 or 1)"
-    for value, label in candidates:
-        if math.isclose(s, value, rel_tol=1e-3):
-            return label
-    return f"{s:.4g} (no standard form)"

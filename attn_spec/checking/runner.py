@@ -16,13 +16,15 @@ from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
 from attn_spec.targets.conventions import Target
-from attn_spec.checking.cases import DTYPES, available_devices
+from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.targets.capabilities import parse_capabilities, probe_capabilities
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
+from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
 from attn_spec.checking.strategies import get_profile
+from attn_spec.diagnosis.evidence import differs, record
 from attn_spec.diagnosis.run import diagnose_report
 
 
@@ -37,18 +39,34 @@ def _snippet(prop: Property, case, target_name: str, convention: str, seed: int)
 
 
 def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> dict:
+    index = worst_index(failure.got, failure.expected)
+    labels = list(failure.labels or ("the target's result", "the float64 reference"))
     ce = {"case": dataclasses.asdict(case), "summary": case.summary(),
           "got": tensor_to_data(failure.got), "expected": tensor_to_data(failure.expected),
-          "got_text": None if failure.got is None else format_matrix(failure.got),
-          "expected_text": None if failure.expected is None else format_matrix(failure.expected),
+          "got_text": None if failure.got is None else format_matrix(failure.got, index=index),
+          "expected_text": None if failure.expected is None else format_matrix(failure.expected, index=index),
+          "labels": labels, "slice": list(index), "nonfinite_both": nonfinite_both(failure.got, failure.expected),
           "seed": seed, "reproduce": _snippet(prop, case, target.name, target.convention, seed)}
+    inputs = failure.inputs or _inputs(case)
+    if failure.inputs:
+        ce["summary"] = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
+    ce["inputs"] = {name: tensor_to_data(t, limit=64) for name, t in inputs.items()}
+    ce["inputs_text"] = inputs_text(inputs)
     if isinstance(failure, TargetRaised):
         ce["traceback"] = failure.user_traceback
-    mask = case.tensors()[-1] if case.mask != "none" and isinstance(failure.got, torch.Tensor) else None
+    mask = inputs.get("mask") if "weights" in labels[0] and isinstance(failure.got, torch.Tensor) else None
     if mask is not None and mask.dtype == torch.bool and mask.shape[-2:] == failure.got.shape[-2:]:
         with contextlib.suppress(RuntimeError):  # batch dims that do not broadcast: no mask shown
             ce["mask"] = tensor_to_data(mask.expand(failure.got.shape))  # True = may attend, for the heatmaps
     return ce
+
+
+def _inputs(case) -> dict:
+    """The case's tensors by name, as the target got them (a module's projections are drawn from the seed too)."""
+    if isinstance(case, MhaCase):
+        x_q, x_kv, _, mask = case.tensors()
+        return {"x_q": x_q, "x_kv": x_kv, "mask": mask}
+    return dict(zip(("Q", "K", "V", "mask"), case.tensors()))
 
 
 @contextlib.contextmanager
@@ -111,9 +129,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     except Unsatisfiable:
         pass  # every input was unsupported: reported as a skip below
     except Flaky as exc:
-        result.status = "fail"
-        result.message = f"the target gave different results for the same input ({type(exc).__name__})"
-        result.cause = "the attention is nondeterministic (dropout or randomness left on?)"
+        _measure_flakiness(result, exc, prop, target, seed)
     except Exception as exc:  # noqa: BLE001 - a bug in the kit itself, reported, never hidden
         result.status = "error"
         result.message = f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -124,6 +140,39 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         else:
             result.status, result.message = "skip", str(unsupported[0])
     return result
+
+
+def _measure_flakiness(result: PropertyResult, exc: Flaky, prop: Property, target: Target, seed: int,
+                       runs: int = 5) -> None:
+    """Hypothesis saw one input both pass and fail: re-run it ``runs`` times and say what was measured.
+
+    Nondeterminism is named only if the same input really gives different outputs; a failure that
+    the input gives every time is reported as itself, with its input."""
+    inner = [e for e in getattr(exc, "exceptions", ()) if getattr(e, "attn_case", None) is not None]
+    case = inner[0].attn_case if inner else getattr(exc, "attn_case", None)
+    result.status = "fail"
+    if case is None:
+        result.message = f"Hypothesis reported a flaky failure ({type(exc).__name__}) without an input to re-run"
+        return
+    replays = [record(prop.fn, target, case) for _ in range(runs)]
+    failures = [raised for _, raised in replays if isinstance(raised, Failure)]
+    varies = sum(differs(replays[0][0], calls) for calls, _ in replays[1:])
+    if failures and not varies and len(failures) == runs:
+        failure = failures[0]
+        result.message, result.cause = failure.message, failure.cause
+    elif varies:
+        result.message = (f"the same input gave different outputs: {varies} of {runs - 1} re-runs differ from the "
+                          f"first ({case.summary()})")
+        result.cause = "the attention is nondeterministic (dropout or randomness left on, or state kept between calls)"
+        failure = failures[0] if failures else None
+    else:
+        result.message = (f"this input failed once, then {'failed' if failures else 'held'} on {len(failures) or runs} "
+                          f"of {runs} re-runs with the same outputs: the verdict depends on what ran before it")
+        result.cause = "the target keeps state between calls (a cache, a counter, a global)"
+        failure = failures[0] if failures else None
+    result.case = case
+    if failure is not None:
+        result.counterexample = _counterexample(prop, failure, case, target, seed)
 
 
 def mark_blocked(results) -> None:

@@ -88,7 +88,8 @@ def _best_cover(left: list[str], evidences, within=()) -> tuple[list, list[str]]
     tied = [key for key, p in cover.items() if len(p) == best]
     tied.sort(key=lambda key: _rank(fits[key][0], cover[key], evidences))
     chosen = tied[0]
-    alternatives = [fits[key][0] for key in tied[1:] if set(cover[key]) == set(cover[chosen])]
+    alternatives = [fits[key][0] for key in tied[1:] if set(cover[key]) == set(cover[chosen])
+                    and _rank(fits[key][0], cover[key], evidences)[2] <= _rank(fits[chosen][0], cover[chosen], evidences)[2]]
     return [fits[chosen][0], *alternatives], cover[chosen]
 
 

@@ -33,6 +33,17 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
                  mistakes=list(MISTAKES.values()))
 
 
+def diagnose_one(target, result, registry, *, shortlist=()) -> Diagnosis | None:
+    """The root of one failing result on its own (pytest items, ``check_property``), or None."""
+    case = case_of(result)
+    if result.status != "fail" or case is None or result.id not in registry:
+        return None
+    evidence = gather(result.id, registry[result.id].fn, target, case, shortlist=shortlist)
+    roots = group([result.id], {result.id: evidence}, order=[result.id], after={}, target=target,
+                  mistakes=list(MISTAKES.values()))
+    return roots[0] if roots else None
+
+
 def diagnose_report(target, report, registry) -> None:
     """Fill ``report.diagnoses`` and make each explained failure point at its root (``blocked_by``, ``cause``)."""
     report.diagnoses = diagnose(target, report.properties, registry)

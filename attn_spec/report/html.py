@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from attn_spec.report.text import header_lines
+from attn_spec.report.text import header_lines, root_head
 
 MAX_CELLS = 16  # rows and columns drawn per heatmap
 
@@ -32,12 +32,15 @@ table.heat caption{font-weight:600;padding:4px;text-align:left;white-space:nowra
 """
 
 
-def _matrix(data):
-    """The first 2-D matrix of nested lists (leading dims take index 0), as a list of rows, or None."""
+def _matrix(data, index=()):
+    """One 2-D matrix of nested lists (the slice ``index`` of the leading dims, else the first), as a list of
+    rows, or None."""
     if data is None:
         return None
+    index = list(index)
     while isinstance(data, list) and data and isinstance(data[0], list) and data[0] and isinstance(data[0][0], list):
-        data = data[0]
+        i = index.pop(0) if index else 0
+        data = data[i] if i < len(data) else data[0]
     if not isinstance(data, list) or not data:
         return None
     return [row if isinstance(row, list) else [row] for row in data] if isinstance(data[0], list) else [data]
@@ -83,29 +86,38 @@ def _finite(*matrices) -> list[float]:
 
 
 def heatmaps(ce: dict) -> str:
-    """Got beside expected, on one colour scale, with masked cells hatched and differing cells outlined."""
-    got, expected = _matrix(ce.get("got")), _matrix(ce.get("expected"))
-    mask = _matrix(ce.get("mask"))
+    """Got beside expected (the slice that fails), on one colour scale, with differing cells outlined and,
+    when the matrices are weights, masked cells hatched."""
+    index = ce.get("slice") or ()
+    got, expected = _matrix(ce.get("got"), index), _matrix(ce.get("expected"), index)
+    mask = _matrix(ce.get("mask"), index)  # present only when got is a matrix of weights
     if got is None:
         return ""
+    labels = ce.get("labels") or ("target", "reference")
+    where = f" {list(index)}" if index else ""
     values = _finite(got, expected) or [0.0, 1.0]
     lo, hi = min(values + [0.0]), max(values)
-    maps = [heatmap(got, "got (target)", lo=lo, hi=hi, mask=mask, other=expected)]
+    maps = [heatmap(got, f"got{where}: {labels[0]}", lo=lo, hi=hi, mask=mask, other=expected)]
     if expected is not None:
-        maps.append(heatmap(expected, "expected (reference)", lo=lo, hi=hi, mask=mask))
+        maps.append(heatmap(expected, f"expected{where}: {labels[1]}", lo=lo, hi=hi, mask=mask))
     legend = (f'<p class="legend">colour: {lo:.3g} (white) to {hi:.3g} (dark blue); red outline: differs from the '
-              f'reference; hatched: masked out; orange: NaN or inf</p>')
+              f'expected value; {"hatched: masked out; " if mask else ""}orange: NaN or inf</p>')
+    if ce.get("nonfinite_both"):
+        legend += (f'<p class="legend">NaN or inf on both sides at {ce["nonfinite_both"]} entries: the target\'s own '
+                   f'output was already non-finite there, so the comparison says nothing</p>')
     return f'<div class="maps">{"".join(maps)}</div>{legend}'
 
 
-def _failure(p) -> str:
+def _failure(p, cause: bool = True) -> str:
     parts = [f'<div class="failure"><h3 class="bad">✗ {escape(p.id)}: {escape(p.statement)}</h3>',
              f"<p><b>what happened:</b> {escape(p.message)}</p>"]
-    if p.cause:
+    if p.cause and cause:
         parts.append(f"<p><b>likely cause:</b> {escape(p.cause)}</p>")
     ce = p.counterexample
     if ce:
         parts.append(f"<p><b>counterexample</b> ({escape(ce['summary'])}):</p>")
+        if ce.get("inputs_text"):
+            parts.append(f"<pre>inputs:\n{escape(ce['inputs_text'])}</pre>")
         parts.append(heatmaps(ce) or f"<pre>{escape(ce.get('got_text') or '')}</pre>")
         parts.append(f"<p><b>reproduce:</b></p><pre>{escape(ce['reproduce'])}</pre>")
     parts.append("</div>")
@@ -128,12 +140,36 @@ def _target(t) -> str:
     not_run = [p for p in t.properties if p.status == "not-run"]
     if not_run:
         out.append(f'<p class="meta">{len(not_run)} not run: {escape(not_run[0].message)}</p>')
+    results = {p.id: p for p in t.failures}
+    for i, d in enumerate(t.diagnoses, 1):
+        out.append(_root(d, i, len(t.diagnoses), results))
+    explained = {pid for d in t.diagnoses for pid in d.explains}
     for p in t.failures:
+        if p.id in explained:
+            continue
         if p.blocked_by:
             out.append(f"<p>{escape(p.id)} is blocked by {escape(p.blocked_by)}: fix that first ({escape(p.message)})</p>")
         else:
             out.append(_failure(p))
     return "".join(out)
+
+
+def _root(d, index: int, total: int, results: dict) -> str:
+    """One root cause: what it is, its fix, evidence and traceback, its failure, the failures it explains."""
+    parts = [f"<h3>{escape(root_head(d, index, total))}</h3>"]
+    if d.fix:
+        parts.append(f"<p><b>fix:</b> {escape(d.fix)}</p>")
+    parts.append(f"<p><b>evidence:</b> {escape(d.evidence)}</p>")
+    parts.append(f"<p><b>explains:</b> {escape(', '.join(d.explains))}</p>")
+    if d.traceback:
+        parts.append(f"<p><b>traceback of the target:</b></p><pre>{escape(d.traceback)}</pre>")
+    if d.root in results:
+        parts.append(_failure(results[d.root], cause=not d.mistake or d.guess))
+    others = [results[p] for p in d.explains if p != d.root and p in results]
+    if others:
+        parts.append("<p>also failing because of this root (fix it first):</p><ul>"
+                     + "".join(f"<li>{escape(p.id)}: {escape(p.message)}</li>" for p in others) + "</ul>")
+    return "".join(parts)
 
 
 def to_html(report) -> str:

@@ -16,16 +16,18 @@ RED, RESET = "\033[1;31m", "\033[0m"
 _ANSI = re.compile(r"\033\[[0-9;]*m")
 
 
-def format_matrix(t, highlight=None) -> str:
-    """The top-left corner of the first matrix in ``t``, as an aligned plain table.
+def format_matrix(t, highlight=None, index=None) -> str:
+    """The top-left corner of one matrix of ``t`` (the slice ``index`` of its leading dims, the first by
+    default), as an aligned plain table headed by its index and shape.
 
     ``highlight``: a bool tensor shaped like ``t``; those cells are printed in bold red.
     """
     t = t.detach().to("cpu", torch.float64)
+    index = tuple(index or ()) or (0,) * max(t.dim() - 2, 0)
     prefix = ""
-    while t.dim() > 2:
-        prefix += "[0]"
-        t, highlight = t[0], (None if highlight is None else highlight[0])
+    if t.dim() > 2:
+        prefix = "[" + ", ".join(map(str, index)) + "]"
+        t, highlight = t[index], (None if highlight is None else highlight[index])
     if t.dim() < 2:
         t = t.reshape(1, -1)
         highlight = None if highlight is None else highlight.reshape(1, -1)
@@ -40,28 +42,72 @@ def format_matrix(t, highlight=None) -> str:
     return (f"{prefix} " if prefix else "") + f"[{t.shape[0]}x{t.shape[1]}]\n" + table
 
 
-def side_by_side(left: str, right: str, titles=("got", "expected"), gap: int = 4) -> str:
-    a, b = left.splitlines(), right.splitlines()
+def worst_index(got, expected) -> tuple:
+    """The index of the leading dims where ``got`` and ``expected`` differ most (NaN against a number
+    counts as the largest difference), so that the slice printed is the one that fails."""
+    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)) or got.shape != expected.shape \
+            or got.dim() <= 2:
+        return ()
+    a, b = got.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64)
+    diff = (a - b).abs()
+    diff = torch.where(torch.isfinite(a) == torch.isfinite(b), diff.nan_to_num(0.0), torch.full_like(diff, torch.inf))
+    per_slice = diff.flatten(-2).amax(dim=-1)  # [...]
+    return tuple(int(i) for i in torch.unravel_index(per_slice.argmax(), per_slice.shape))
+
+
+def nonfinite_both(got, expected) -> int:
+    """How many entries are NaN or inf on both sides (a comparison that says nothing there)."""
+    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)) or got.shape != expected.shape:
+        return 0
+    return int((~torch.isfinite(got.detach().cpu().double()) & ~torch.isfinite(expected.detach().cpu().double()))
+               .sum())
+
+
+def inputs_text(tensors: dict) -> str:
+    """The inputs of a case: small ones as matrices side by side, large ones as shape and range."""
+    small = {name: t for name, t in tensors.items() if t is not None and t.numel() <= 64}
+    lines = [columns([format_matrix(t.double() if t.dtype == torch.bool else t) for t in small.values()],
+                     list(small))] if small else []
+    for name, t in tensors.items():
+        if t is not None and name not in small:
+            x = t.detach().to("cpu", torch.float64)
+            lines.append(f"{name} {list(t.shape)}: min {x.min().item():.3g}, max {x.max().item():.3g}, "
+                         f"mean {x.mean().item():.3g}")
+    return "\n".join(lines)
+
+
+def columns(blocks: list[str], titles: list[str], gap: int = 4) -> str:
+    """Text blocks side by side under their titles."""
+    split = [b.splitlines() for b in blocks]
 
     def width_of(x):
         return len(_ANSI.sub("", x))
 
-    width = max([width_of(x) for x in a] + [len(titles[0])]) + gap
-    lines = [titles[0].ljust(width) + titles[1]]
-    for i in range(max(len(a), len(b))):
-        x = a[i] if i < len(a) else ""
-        lines.append(x + " " * (width - width_of(x)) + (b[i] if i < len(b) else ""))
-    return "\n".join(lines)
+    widths = [max([width_of(x) for x in lines] + [len(title)]) + gap for lines, title in zip(split, titles)]
+    out = ["".join(title.ljust(w) for title, w in zip(titles, widths)).rstrip()]
+    for i in range(max(map(len, split))):
+        row = ""
+        for lines, w in zip(split, widths):
+            x = lines[i] if i < len(lines) else ""
+            row += x + " " * (w - width_of(x))
+        out.append(row.rstrip())
+    return "\n".join(out)
+
+
+def side_by_side(left: str, right: str, titles=("got", "expected"), gap: int = 4) -> str:
+    return columns([left, right], list(titles), gap)
 
 
 def counterexample_matrices(ce: dict, colour: bool) -> str:
-    """got beside expected; with ``colour``, the cells that differ in bold red."""
+    """got beside expected (the slice that fails, when there are leading dims); with ``colour``, the cells
+    that differ in bold red."""
     got, expected = ce.get("got"), ce.get("expected")
+    index = tuple(ce.get("slice") or ())
     if colour and got is not None and expected is not None:
         got, expected = torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
         if got.shape == expected.shape:
             differ = ~torch.isclose(got, expected, rtol=1e-3, atol=1e-6, equal_nan=True)
-            return side_by_side(format_matrix(got, differ), format_matrix(expected, differ))
+            return side_by_side(format_matrix(got, differ, index), format_matrix(expected, differ, index))
     if ce.get("expected_text"):
         return side_by_side(ce["got_text"], ce["expected_text"])
     return ce["got_text"]
@@ -110,9 +156,19 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False, cau
         lines.append(f"{bullet}likely cause: {p.cause}")
     ce = p.counterexample
     if ce:
-        lines.append(f"{bullet}counterexample ({ce['summary']}):")
+        summary = ce["summary"] if ce["summary"].startswith("the call") else f"the case: {ce['summary']}"
+        lines.append(f"{bullet}counterexample ({summary}):")
+        blocks = []
+        if ce.get("inputs_text"):
+            blocks.append("inputs:\n" + ce["inputs_text"])
         if ce.get("got_text"):
-            block = counterexample_matrices(ce, colour and not markdown)
+            labels = ce.get("labels") or ("got", "expected")
+            named = f"got = {labels[0]}" + (f"; expected = {labels[1]}" if ce.get("expected_text") else "")
+            both = ce.get("nonfinite_both")
+            blocks.append(named + ":\n" + counterexample_matrices(ce, colour and not markdown)
+                          + (f"\nNaN or inf on both sides at {both} entries: the target's own output was already "
+                             f"non-finite there, so the comparison says nothing" if both else ""))
+        for block in blocks:
             lines.append("```\n" + block + "\n```" if markdown else "\n".join(pad * 2 + x for x in block.splitlines()))
         lines.append(f"{bullet}reproduce:")
         snippet = ce["reproduce"]
@@ -120,11 +176,24 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False, cau
     return "\n".join(lines)
 
 
-def failure_text(result) -> str:
-    """The lesson for one failed PropertyResult, as the CLI report prints it, plus the target's traceback."""
-    text = failure_section(result, markdown=False)
-    trace = (result.counterexample or {}).get("traceback")
-    return f"{text}\n  traceback of the target:\n{trace}" if trace else text
+def diagnosis_lines(d, pad: str = "  ") -> list[str]:
+    """A root found for one failure on its own (pytest, check_property, reproduce): what, fix, evidence."""
+    if d is None:
+        return []
+    what = (f"diagnosis (a guess): {d.sentence} [{d.mistake}]" if d.guess else
+            f"diagnosis: {d.sentence}" + (f" [{d.mistake}] · attn-spec explain {d.mistake}" if d.mistake else ""))
+    return [f"{pad}{what}"] + ([f"{pad}fix: {d.fix}"] if d.fix else []) + [f"{pad}evidence: {d.evidence}"]
+
+
+def failure_text(result, diagnosis=None) -> str:
+    """The lesson for one failed PropertyResult, as the CLI report prints it, with the root found for it
+    on its own (``diagnosis``, see attn_spec.diagnosis.run.diagnose_one) and the target's traceback."""
+    named = diagnosis is not None and diagnosis.mistake and not diagnosis.guess
+    lines = [failure_section(result, markdown=False, cause=not named)] + diagnosis_lines(diagnosis)
+    trace = (result.counterexample or {}).get("traceback") or getattr(diagnosis, "traceback", "")
+    if trace:
+        lines += ["  traceback of the target:", trace]
+    return "\n".join(lines)
 
 
 def root_head(d, index: int, total: int) -> str:
