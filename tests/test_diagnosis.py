@@ -178,7 +178,7 @@ def test_a_crash_is_reproduced_by_the_model_that_raises_the_same_way():
     ({4: 1 / 8, 16: 1 / 32}, 1, "1/(2 d_k)"),
     ({4: 1.0, 16: 1.0}, 1, "1 (no scaling)"),
     ({4: 1 / 8, 16: 1 / 8}, 1, "a hard-coded d_k of 64"),
-    ({4: 1 / math.sqrt(8), 16: 1 / math.sqrt(32)}, 2, "1/√d_model"),
+    ({4: 1 / math.sqrt(8), 16: 1 / math.sqrt(32)}, 2, "1/sqrt(d_model)"),
     ({4: 1 / 1.8, 16: 1 / 3.6}, 1, "a temperature of 0.9"),
     ({4: math.inf, 16: math.inf}, 1, "unreadable"),
 ])

@@ -24,29 +24,29 @@ def _scaled(q, scale, default):
 
 
 @mistake("scale-missing", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are not scaled: softmax(Q Kᵀ) instead of softmax(Q Kᵀ / √d_k)",
+         sentence="the scores are not scaled: softmax(Q Kᵀ) instead of softmax(Q Kᵀ / sqrt(d_k))",
          fix="divide the scores by math.sqrt(d_k)")
 def scale_missing(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, 1.0))
 
 
 @mistake("scale-one-over-dk", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are divided by d_k instead of √d_k (or 1/√d_k is applied twice)",
+         sentence="the scores are scaled by 1/d_k instead of 1/sqrt(d_k): divided by d_k, or 1/sqrt(d_k) applied twice",
          fix="scale by 1 / math.sqrt(d_k), once")
 def scale_one_over_dk(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, 1 / q.shape[-1]))
 
 
 @mistake("scale-one-over-two-dk", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are scaled by 1/(2 d_k): `scores / d_k ** 1/2` divides by d_k, then by 2 "
-                  "(** binds tighter than /)",
+         sentence="the scores are scaled by 1/(2 d_k) instead of 1/sqrt(d_k): `scores / d_k ** 1/2` divides by d_k, "
+                  "then by 2 (** binds tighter than /)",
          fix="write d_k ** 0.5 (or math.sqrt(d_k))")
 def scale_one_over_two_dk(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, 1 / q.shape[-1] ** 1 / 2))
 
 
 @mistake("scale-multiplied", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are multiplied by √d_k instead of divided by it",
+         sentence="the scores are scaled by sqrt(d_k) instead of 1/sqrt(d_k): multiplied instead of divided",
          fix="divide the scores by math.sqrt(d_k)")
 def scale_multiplied(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, math.sqrt(q.shape[-1])))
@@ -54,14 +54,15 @@ def scale_multiplied(q, k, v, mask, scale):
 
 @mistake("scale-hard-coded", family="scale", caught_by=("scale-sqrt-dk",),
          params=tuple({"width": w} for w in (64, 128, 32, 16, 256, 512, 768, 1024, 8, 4)),
-         sentence="the scale is hard-coded as 1/√{width}: d_k is a constant, not the width of the input",
+         sentence="the scores are scaled by 1/sqrt({width}) instead of 1/sqrt(d_k): d_k is hard-coded, not the width "
+                  "of the input",
          fix="compute the scale from the input: 1 / math.sqrt(Q.size(-1))")
 def scale_hard_coded(q, k, v, mask, scale, width):
     return correct(q, k, v, mask, _scaled(q, scale, 1 / math.sqrt(width)))
 
 
 @mistake("scale-d-v", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scale uses d_v (the width of V) instead of d_k",
+         sentence="the scores are scaled by 1/sqrt(d_v) instead of 1/sqrt(d_k): the width of V is used",
          fix="scale by 1 / math.sqrt(Q.size(-1)), the width of Q and K")
 def scale_d_v(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, 1 / math.sqrt(v.shape[-1])))
@@ -274,8 +275,8 @@ def mask_bias_finite(q, k, v, mask, scale, bias):
 
 
 @mistake("mask-scaled-with-scores", family="masking", caught_by=("mask-semantics",),
-         sentence="an additive mask is scaled with the scores ((Q Kᵀ + mask) / √d_k): finite biases shrink",
-         fix="add the mask after scaling: Q Kᵀ / √d_k + mask")
+         sentence="an additive mask is scaled with the scores ((Q Kᵀ + mask) / sqrt(d_k)): finite biases shrink",
+         fix="add the mask after scaling: Q Kᵀ / sqrt(d_k) + mask")
 def mask_scaled_with_scores(q, k, v, mask, scale):
     s = q @ k.transpose(-2, -1)
     if mask is not None:
@@ -377,21 +378,21 @@ def default_mask_square(q, k, v, mask, scale):
 
 @mistake("returns-zeros", family="shapes", caught_by=("matches-reference",),
          sentence="the output is all zeros: nothing is computed",
-         fix="return softmax(Q Kᵀ / √d_k) V")
+         fix="return softmax(Q Kᵀ / sqrt(d_k)) V")
 def returns_zeros(q, k, v, mask, scale):
     return torch.zeros(*broadcast_shapes(q.shape[:-2], v.shape[:-2]), q.shape[-2], v.shape[-1], dtype=v.dtype)
 
 
 @mistake("returns-values", family="shapes", caught_by=("matches-reference",),
          sentence="the output is V itself: no attention is computed",
-         fix="return softmax(Q Kᵀ / √d_k) V")
+         fix="return softmax(Q Kᵀ / sqrt(d_k)) V")
 def returns_values(q, k, v, mask, scale):
     return v
 
 
 @mistake("uniform-weights", family="shapes", caught_by=("matches-reference",),
          sentence="every allowed key gets the same weight (the mean of V): the scores are never used",
-         fix="weights = softmax(Q Kᵀ / √d_k) over the allowed keys")
+         fix="weights = softmax(Q Kᵀ / sqrt(d_k)) over the allowed keys")
 def uniform_weights(q, k, v, mask, scale):
     return correct(torch.zeros_like(q), k, v, mask, scale)
 

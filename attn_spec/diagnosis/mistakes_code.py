@@ -105,7 +105,7 @@ def float64_not_cast_back(q, k, v, mask, scale):
 
 
 @mistake("queries-scaled-in-place", family="in place", exact=True, caught_by=("inputs-unchanged",),
-         sentence="Q is scaled in place (Q.mul_(scale) or Q /= √d_k): the caller's Q changes, and a second call "
+         sentence="Q is scaled in place (Q.mul_(scale) or Q /= sqrt(d_k)): the caller's Q changes, and a second call "
                   "scales it again",
          fix="Q * scale (out of place)")
 def queries_scaled_in_place(q, k, v, mask, scale):
@@ -199,14 +199,14 @@ def _causal(mask, is_causal, n_q, n_kv, diagonal=0):
 
 
 @mistake("scale-argument-ignored", family="arguments", arguments=True, caught_by=("scale-argument",),
-         sentence="the scale argument is ignored: the default 1/√d_k is always used",
+         sentence="the scale argument is ignored: the default 1/sqrt(d_k) is always used",
          fix="use scale when it is not None: scores * (scale if scale is not None else 1 / math.sqrt(d_k))")
 def scale_argument_ignored(q, k, v, mask, scale, is_causal):
     return correct(q, k, v, _causal(mask, is_causal, q.shape[-2], k.shape[-2]), None)
 
 
 @mistake("scale-argument-sqrt-split", family="arguments", arguments=True, caught_by=("scale-argument",),
-         sentence="√scale is applied to Q and K separately: a negative scale has no square root",
+         sentence="sqrt(scale) is applied to Q and K separately: a negative scale has no square root",
          fix="multiply the scores (or Q alone) by scale")
 def scale_argument_sqrt_split(q, k, v, mask, scale, is_causal):
     s = math.sqrt(scale_of(q, scale))  # raises ValueError for scale < 0

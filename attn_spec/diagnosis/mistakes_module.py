@@ -64,7 +64,8 @@ def kv_projections_swapped(x_q, x_kv, W, h, mask):
 
 
 @mistake("scale-d-model", level="module", family="multi-head", caught_by=("scale-sqrt-dk", "head-concat-equivalence"),
-         sentence="the scale uses d_model (the whole width), not the per-head d_k = d_model / h",
+         sentence="the scores are scaled by 1/sqrt(d_model) instead of 1/sqrt(d_k): the whole width, not the "
+                  "per-head d_k = d_model / h",
          fix="scale by 1 / math.sqrt(d_model // n_heads)")
 def scale_d_model(x_q, x_kv, W, h, mask):
     q, k, v = (split_heads(t, h) for t in _projected(x_q, x_kv, W))
@@ -107,7 +108,7 @@ def backward_missing_rowsum(q, k, v, mask, scale, G):
 
 
 @mistake("backward-missing-scale", level="backward", family="gradients", caught_by=("gradients",),
-         sentence="a hand-written backward forgets the 1/√d_k of the forward in dQ and dK",
+         sentence="a hand-written backward forgets the 1/sqrt(d_k) of the forward in dQ and dK",
          fix="multiply dS by the forward's scale before dQ = dS K and dK = dSᵀ Q")
 def backward_missing_scale(q, k, v, mask, scale, G):
     return _closed_form(q, k, v, mask, scale, G, scale_grads=False)

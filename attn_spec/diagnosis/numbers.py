@@ -21,7 +21,7 @@ def _close(x: float, y: float, tol: float = 1e-3) -> bool:
 
 
 def name_scale(found: dict[int, float], n_heads: int = 1) -> str:
-    """What the recovered scales say, e.g. '1/d_k', '1/(2 d_k)', '1/√d_model', '1.11/√d_k'."""
+    """What the recovered scales say, e.g. '1/d_k', '1/(2 d_k)', '1/sqrt(d_model)', '1.11/sqrt(d_k)'."""
     values = list(found.values())
     if any(not math.isfinite(s) for s in values):
         return ("unreadable: the probe's weight on the larger key was 0 or 1 (a saturated or inverted softmax, "
@@ -33,20 +33,20 @@ def name_scale(found: dict[int, float], n_heads: int = 1) -> str:
         (d, s), = found.items()
         return f"{s:.4g} at d_k={d}"
     c, p = law
-    named = [(1.0, -0.5, "1/√d_k"), (1.0, -1.0, "1/d_k"), (0.5, -1.0, "1/(2 d_k)"), (1.0, 0.0, "1 (no scaling)"),
-             (1.0, 0.5, "√d_k (multiplied instead of divided)"), (1.0, -1.5, "1/d_k^1.5 (scaled twice)")]
+    named = [(1.0, -0.5, "1/sqrt(d_k)"), (1.0, -1.0, "1/d_k"), (0.5, -1.0, "1/(2 d_k)"), (1.0, 0.0, "1 (no scaling)"),
+             (1.0, 0.5, "sqrt(d_k) (multiplied instead of divided)"), (1.0, -1.5, "1/d_k^1.5 (scaled twice)")]
     if n_heads > 1:
-        named.append((1 / math.sqrt(n_heads), -0.5, f"1/√d_model = 1/√({n_heads} d_k): the whole width, not one head's"))
+        named.append((1 / math.sqrt(n_heads), -0.5, f"1/sqrt(d_model) = 1/sqrt({n_heads} d_k): the whole width, not one head's"))
     for cc, pp, label in named:
         if _close(c, cc) and _close(p, pp, 2e-3):
             return label
     if _close(p, 0.0, 2e-3):
         width = 1 / c**2
         if _close(width, round(width), 1e-3) and round(width) > 1:
-            return f"1/√{round(width)} at every width: a hard-coded d_k of {round(width)}"
+            return f"1/sqrt({round(width)}) at every width: a hard-coded d_k of {round(width)}"
         return f"{c:.4g} at every width: a constant, not computed from d_k"
     if _close(p, -0.5, 2e-3):
-        return f"{c:.4g}/√d_k: an extra factor {c:.4g} (a temperature of {1 / c:.4g} left in?)"
+        return f"{c:.4g}/sqrt(d_k): an extra factor {c:.4g} (a temperature of {1 / c:.4g} left in?)"
     return f"{c:.4g} · d_k^{p:.3g}"
 
 

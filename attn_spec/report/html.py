@@ -108,10 +108,10 @@ def heatmaps(ce: dict) -> str:
     return f'<div class="maps">{"".join(maps)}</div>{legend}'
 
 
-def _failure(p, cause: bool = True) -> str:
+def _failure(p) -> str:
     parts = [f'<div class="failure"><h3 class="bad">✗ {escape(p.id)}: {escape(p.statement)}</h3>',
              f"<p><b>what happened:</b> {escape(p.message)}</p>"]
-    if p.cause and cause:
+    if p.cause:
         parts.append(f"<p><b>likely cause:</b> {escape(p.cause)}</p>")
     ce = p.counterexample
     if ce:
@@ -164,7 +164,7 @@ def _root(d, index: int, total: int, results: dict) -> str:
     if d.traceback:
         parts.append(f"<p><b>traceback of the target:</b></p><pre>{escape(d.traceback)}</pre>")
     if d.root in results:
-        parts.append(_failure(results[d.root], cause=not d.mistake or d.guess))
+        parts.append(_failure(results[d.root]))
     others = [results[p] for p in d.explains if p != d.root and p in results]
     if others:
         parts.append("<p>also failing because of this root (fix it first):</p><ul>"

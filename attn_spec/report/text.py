@@ -144,7 +144,7 @@ def _summary_rows(target: TargetReport):
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
 
 
-def failure_section(p: PropertyResult, markdown: bool, colour: bool = False, cause: bool = True) -> str:
+def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> str:
     """One failure as a lesson: statement, what happened, likely cause, counterexample, reproduction."""
     lines = []
     head = f"{p.id}: {p.statement}" if p.statement else p.id
@@ -152,7 +152,7 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False, cau
     pad = "" if markdown else "  "
     bullet = "- " if markdown else pad
     lines.append(f"{bullet}what happened: {p.message}")
-    if p.cause and cause:
+    if p.cause:
         lines.append(f"{bullet}likely cause: {p.cause}")
     ce = p.counterexample
     if ce:
@@ -188,8 +188,9 @@ def diagnosis_lines(d, pad: str = "  ") -> list[str]:
 def failure_text(result, diagnosis=None) -> str:
     """The lesson for one failed PropertyResult, as the CLI report prints it, with the root found for it
     on its own (``diagnosis``, see attn_spec.diagnosis.run.diagnose_one) and the target's traceback."""
-    named = diagnosis is not None and diagnosis.mistake and not diagnosis.guess
-    lines = [failure_section(result, markdown=False, cause=not named)] + diagnosis_lines(diagnosis)
+    if diagnosis is not None and diagnosis.mistake and not diagnosis.guess:
+        result.cause = diagnosis.sentence  # the likely cause is the mistake that reproduces the failure
+    lines = [failure_section(result, markdown=False)] + diagnosis_lines(diagnosis)
     trace = (result.counterexample or {}).get("traceback") or getattr(diagnosis, "traceback", "")
     if trace:
         lines += ["  traceback of the target:", trace]
@@ -218,7 +219,7 @@ def root_section(d, index: int, total: int, results: dict, markdown: bool, colou
         lines.append("```\n" + d.traceback + "\n```" if markdown else "\n".join(pad * 2 + x for x in d.traceback.splitlines()))
     shown = results.get(d.root)
     if shown is not None:
-        lines.append("\n" + failure_section(shown, markdown, colour, cause=not d.mistake or d.guess))
+        lines.append("\n" + failure_section(shown, markdown, colour))
     others = [results[p] for p in d.explains if p != d.root and p in results]
     if others:
         lines.append(f"{bullet}{'also failing because of this root' if d.mistake and not d.guess else 'blocked by it'}"
