@@ -66,13 +66,14 @@ def load_targets(settings: attn_settings.Settings, name: str | None = None) -> l
             for spec in settings["targets"]]
 
 
-def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False) -> Report:
-    """Check each target as ``plan`` says; the expectations file, if any, is applied to the report."""
+def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True) -> Report:
+    """Check each target as ``plan`` says; the expectations file, if any, is applied to the report.
+    ``diagnose``: group each target's failures by root (attn_spec.diagnosis); off, only the catalog's order."""
     s = plan.settings
     expected = set(plan.expectations.ids) if plan.expectations else set()
     reports = [check_target(target, plan.properties, profile=s["profile"], seed=plan.seed, dtypes=plan.dtypes,
                             devices=plan.devices, progress=progress, require=s["require"], exitfirst=exitfirst,
-                            expected=expected) for target in targets]
+                            expected=expected, diagnose=diagnose) for target in targets]
     report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes)
     if plan.expectations:
         plan.expectations.apply(report)
@@ -80,7 +81,8 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
 
 
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
-          devices=None, require=None, expect=None, progress=None, exitfirst=False, config=False) -> Report:
+          devices=None, require=None, expect=None, progress=None, exitfirst=False, config=False,
+          diagnose=True) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
@@ -107,7 +109,7 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
         loaded = load_targets(settings)
     else:
         raise KitUsageError("no targets: pass one, or set targets in [tool.attn-spec] and call with config=True")
-    return run(loaded, checked_plan, progress=progress, exitfirst=exitfirst)
+    return run(loaded, checked_plan, progress=progress, exitfirst=exitfirst, diagnose=diagnose)
 
 
 def config_keywords(**values) -> attn_settings.Layer:

@@ -1,6 +1,6 @@
 """How fast is attn-spec, and how quickly does it find bugs? One command, one table.
 
-    python benchmarks/bench.py [--repeat 3] [--only check overhead bugs grade] [--markdown]
+    python benchmarks/bench.py [--repeat 3] [--only check overhead bugs diagnosis grade] [--markdown]
 
 Sections (each figure is measured in this run, on this machine):
 - check: wall time and peak memory of a fresh ``attn-spec check`` process on the seed attention,
@@ -10,6 +10,9 @@ Sections (each figure is measured in this run, on this machine):
 - bugs: over the gallery (tests/gallery), at the quick profile with --exitfirst: target calls until
   the first failure and seconds to a shrunk counterexample, per buggy entry; false alarms on the
   correct ones;
+- diagnosis: over the gallery's bugs, the whole catalog at the quick profile, one intra-op thread:
+  roots per bug by the catalog's fixed order (before) and by the diagnosis (after), how many roots
+  name the entry's own mistake, and the time the diagnosis adds to a failing check and to a passing one;
 - grade: ``attn-spec grade`` on classes of 30 correct and 30 mixed submissions (tests/submissions)
   with --jobs 1 and 2, and the steady-state cost of a correct submission against its evaluation
   time (the same properties checked in-process).
@@ -147,6 +150,57 @@ def bench_bugs(rows) -> None:
                  f"median {statistics.median(seconds):.2f}, worst {max(seconds):.2f}", "in-process, warm", "", ""])
 
 
+# ------------------------------------------------------------------------------ diagnosis
+
+
+def bench_diagnosis(rows) -> None:
+    """Roots per bug before (catalog order) and after (diagnosis), accuracy, and the time it adds."""
+    import torch
+
+    import attn_spec
+    from attn_spec.checking.catalog import REGISTRY
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gallery import BUGGY
+    from seed_attention import attention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the check's own softmax on tiny tensors costs milliseconds in a busy thread pool
+    try:
+        before, after, named, checking, diagnosing = [], [], [], 0.0, 0.0
+        for entry in BUGGY:
+            start = time.perf_counter()
+            target = attn_spec.check(entry.obj, name=entry.name, convention=entry.convention, profile="quick",
+                                     seed=1).targets[0]
+            total = time.perf_counter() - start
+            failed = {p.id for p in target.properties if p.status == "fail"}
+            before.append(sum(not set(REGISTRY[pid].after) & failed for pid in failed))
+            after.append(len(target.diagnoses))
+            named.append(len(target.diagnoses) == 1 and target.diagnoses[0].mistake == entry.mistake
+                         and not target.diagnoses[0].guess)
+            checking += total - target.diagnosis_seconds
+            diagnosing += target.diagnosis_seconds
+        start = time.perf_counter()
+        passing = attn_spec.check(attention, profile="quick", seed=1).targets[0]
+        passing_total = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    rows.append(["roots per gallery bug (whole catalog, quick)",
+                 f"before: median {statistics.median(before):g}, max {max(before)}, exactly one for "
+                 f"{before.count(1)} of {len(before)}; after: median {statistics.median(after):g}, max {max(after)}, "
+                 f"exactly one for {after.count(1)}", "before = failures not blocked by the catalog's fixed order",
+                 "one each", _met(after.count(1) == len(after))])
+    rows.append(["diagnosis accuracy", f"{sum(named)} of {len(named)}",
+                 "one root, naming the entry's declared mistake (not a guess)", "all", _met(all(named))])
+    share = diagnosing / checking
+    rows.append(["time diagnosis adds to a failing check", f"{share:.0%} ({diagnosing:.1f} s on {checking:.1f} s)",
+                 f"summed over the {len(BUGGY)} gallery bugs, one thread", "< 20%", _met(share < 0.2)])
+    rows.append(["time diagnosis adds to a passing check", f"{passing.diagnosis_seconds:.2f} s on {passing_total:.2f} s",
+                 "seed attention, quick: nothing failed, nothing is replayed", "none",
+                 _met(passing.diagnosis_seconds == 0 and not passing.diagnoses)])
+
+
 # ------------------------------------------------------------------------------ grade
 
 
@@ -221,8 +275,8 @@ def _met(ok: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="runs per check figure (median; default 3)")
-    parser.add_argument("--only", nargs="+", choices=("check", "overhead", "bugs", "grade"),
-                        default=["check", "overhead", "bugs", "grade"])
+    parser.add_argument("--only", nargs="+", choices=("check", "overhead", "bugs", "diagnosis", "grade"),
+                        default=["check", "overhead", "bugs", "diagnosis", "grade"])
     parser.add_argument("--n", type=int, default=30, help="submissions per graded class (default 30)")
     parser.add_argument("--markdown", action="store_true", help="a GitHub table, for the README")
     args = parser.parse_args()
@@ -231,7 +285,8 @@ def main() -> None:
     rows = [['python -c "import torch"', f"{torch_s:.2f} s, {torch_mb} MB peak", "the unit of the ratios", "", ""]]
     for section in args.only:
         {"check": lambda: bench_check(rows, args.repeat, torch_s), "overhead": lambda: bench_overhead(rows),
-         "bugs": lambda: bench_bugs(rows), "grade": lambda: bench_grade(rows, args.n)}[section]()
+         "bugs": lambda: bench_bugs(rows), "diagnosis": lambda: bench_diagnosis(rows),
+         "grade": lambda: bench_grade(rows, args.n)}[section]()
     import torch
 
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "

@@ -46,7 +46,8 @@ def rows_sum_to_one(target, case):
     labels = ("the weights, read with V = identity", "the reference's weights")
     if max_error(sums, torch.ones(sums.shape, dtype=torch.float64)) > allowed:
         col_sums = w.double().sum(dim=-2)  # [..., Tk]
-        cause = ("weights sum over queries, not keys (softmax over dim -2?)"
+        cause = ("the weights have NaN or inf although every input is finite (0/0 or an overflowing exp?)"
+                 if not torch.isfinite(sums).all() else "weights sum over queries, not keys (softmax over dim -2?)"
                  if case.n_q > 1 and max_error(col_sums, torch.ones_like(col_sums)) <= allowed * case.n_q
                  else weight_factor(w, ref_w) or "the weights are not normalised by the sum over keys")
         fail(_fmt(sums), what="the row sums of the weights", expected="1", budget=allowed,

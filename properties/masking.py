@@ -17,6 +17,7 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.diagnosis.numbers import masked_share
 
 F64 = torch.float64
 
@@ -54,6 +55,9 @@ def _leak_cause(w, allowed, q, k, mask) -> str:
         return "the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get all the weight"
     if max_error(w, reference.attention(q, k, k, None)[1]) < 1e-3:
         return "the mask is ignored"
+    shared = masked_share(w, allowed)
+    if shared:
+        return shared
     if w.masked_fill(allowed, 0.0).nan_to_num(1.0).abs().max() < 1e-2:
         return "masked keys keep a small weight: the fill value is finite and too small (use -inf or finfo.min)"
     return "the mask does not reach these keys (broadcast over the wrong dims, or applied to the wrong axis?)"

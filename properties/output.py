@@ -14,6 +14,7 @@ from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.diagnose import diagnose_mismatch
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.errors import Failure
 from attn_spec.properties.core import cross_or_self
 from attn_spec.targets.conventions import MULTIHEAD_CONVENTIONS
 
@@ -39,8 +40,21 @@ def cross_attention_shapes(target, case):
     if not torch.isfinite(out).all():
         fail("NaN or inf", what="the output of a rectangular case", expected="finite values",
              call=f"attention(Q [{case.n_q}, {case.d_k}], K [{case.n_kv}, {case.d_k}], V [{case.n_kv}, {case.d_v}])",
-             cause="a square shape (n_q == n_kv or d_v == d_k) is assumed somewhere",
-             got=out, expected_tensor=reference.attention(q, k, v, mask)[0])
+             cause=lambda: _nonfinite_cause(target, case), got=out,
+             expected_tensor=reference.attention(q, k, v, mask)[0])
+
+
+def _nonfinite_cause(target, case) -> str:
+    """NaN out of a rectangular case: is it the shape, or does a square case give NaN too?"""
+    square = case.replace(n_kv=case.n_q, d_v=case.d_k)
+    try:
+        out = target.attend(*square.tensors())
+    except Failure:
+        out = None
+    if out is not None and not torch.isfinite(out).all():
+        return ("the output has NaN or inf on square inputs too: not a matter of shape (an overflowing exp, a 0/0, "
+                "or reads outside the inputs?)")
+    return "a square shape (n_q == n_kv or d_v == d_k) is assumed somewhere"
 
 
 @prop("head-concat-equivalence", family="multi-head",

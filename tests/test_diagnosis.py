@@ -196,3 +196,35 @@ def test_a_factor_on_every_weight_and_a_shared_masked_weight():
     allowed = torch.tensor([[True, False, False, True]])
     assert "finite score" in masked_share(w, allowed)
     assert masked_share(torch.tensor([[0.5, 0.1, 0.2, 0.2]], dtype=torch.float64), allowed) == ""
+
+
+# ---------------------------------------------------------------- flakiness and randomness, measured
+
+
+def test_a_failure_that_does_not_come_back_is_not_called_randomness():
+    """Hypothesis sees one input fail once and then pass: the kit re-runs it and says what it measured."""
+    calls = [0]
+
+    def wrong_on_the_sixth_call(q, k, v, mask=None):
+        calls[0] += 1
+        return correct_einsum(q, k, v, mask) + (1.0 if calls[0] == 6 else 0.0)  # a drawn case, not an example
+
+    from attn_spec.checking.runner import run_property
+    result = run_property(REGISTRY["matches-reference"], make_target(wrong_on_the_sixth_call, "w", "function"),
+                          profile="quick", seed=1, dtypes=["float64"], devices=["cpu"])
+    assert result.status == "fail"
+    assert "nondeterministic" not in result.cause and "depends on what ran before it" in result.message
+
+
+def test_randomness_is_recognised_from_repeated_readings():
+    def dropout_left_on(q, k, v, mask=None):
+        s = _scores(q, k) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.nn.functional.dropout(s.softmax(-1), p=0.25) @ v
+
+    from attn_spec.diagnosis.evidence import judge_randomness
+    torch.manual_seed(0)
+    m, params = judge_randomness(make_target(dropout_left_on, "d", "function"), list(MISTAKES.values()))
+    assert m.id == "dropout-at-inference" and abs(params["p"] - 0.25) < 1e-6
+    assert judge_randomness(make_target(correct_einsum, "c", "function"), list(MISTAKES.values())) is None

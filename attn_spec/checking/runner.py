@@ -214,8 +214,10 @@ NOT_RUN = "stopped at the first failure"  # the message of each property --exitf
 
 
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
-                 devices=None, progress=None, require=None, exitfirst=False, expected=()) -> TargetReport:
-    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target.
+                 devices=None, progress=None, require=None, exitfirst=False, expected=(),
+                 diagnose=True) -> TargetReport:
+    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target; then, when
+    something failed and ``diagnose``, group the failures by root (:mod:`attn_spec.diagnosis`).
 
     ``exitfirst``: after the first failure of a property not in ``expected`` (an expectations file's
     ids), the rest are ``not-run``."""
@@ -231,8 +233,10 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices)
     report.properties = [results[p.id] for p in props]
     mark_blocked(report.properties)
-    if any(r.status == "fail" for r in report.properties):
+    if diagnose and any(r.status == "fail" for r in report.properties):
+        start = time.perf_counter()
         diagnose_report(target, report, REGISTRY)
+        report.diagnosis_seconds = time.perf_counter() - start
     # The header's probes run last, so that the properties' calls come first (a verdict sooner).
     report.behaviours = probe_behaviours(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
     report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])

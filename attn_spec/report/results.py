@@ -38,6 +38,7 @@ class TargetReport:
     capabilities: dict = field(default_factory=dict)  # attn_spec.targets.capabilities: name -> yes | no | raises | n/a ...
     lacks: dict = field(default_factory=dict)  # name -> why, for each capability that is not "yes"
     diagnoses: list = field(default_factory=list)  # attn_spec.diagnosis.roots.Diagnosis: one per root cause
+    diagnosis_seconds: float = 0.0  # the time the diagnosis took (replays and model fits)
 
     @property
     def conforms(self) -> bool:
