@@ -286,7 +286,7 @@ def mistake_sections(mistake_id: str) -> dict:
 def _mistake_example(m) -> str:
     """The model next to the correct formula on the lessons' Q, K, V (a causal mask where it matters)."""
     from attn_spec.diagnosis.record import Call
-    from attn_spec.diagnosis.replay import CORRECT, predict
+    from attn_spec.diagnosis.predict import CORRECT, predict
 
     if m.level == "stochastic":
         return ""

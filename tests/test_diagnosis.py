@@ -20,7 +20,7 @@ from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.numbers import masked_share, name_scale, weight_factor
 from attn_spec.diagnosis.replay import Evidence, fits
 from attn_spec.diagnosis.record import Recorder
-from attn_spec.lessons import mistake_sections, render_mistake
+from attn_spec.lessons import mistake_sections
 from attn_spec.targets.conventions import make_target
 from gallery import BUGGY
 

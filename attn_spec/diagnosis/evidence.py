@@ -30,9 +30,8 @@ class FailureEvidence:
     fits: list = field(default_factory=list)  # replay.Fit, most specific first
     guess: tuple | None = None  # (replay.Fit, calls it reproduces) when nothing fits
 
-    def fit_for(self, mistake_id: str, params: dict | None = None):
-        return next((f for f in self.fits if f.mistake.id == mistake_id
-                     and (params is None or f.params == params)), None)
+    def fit_for(self, mistake_id: str):
+        return next((f for f in self.fits if f.mistake.id == mistake_id), None)
 
 
 def record(fn, target, case) -> tuple[list[Call], BaseException | None]:

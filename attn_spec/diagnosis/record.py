@@ -68,13 +68,9 @@ class Call:
     error: tuple | None = None  # (exception type name, message, file:line) when the target raised
     unsupported: bool = False  # the target declared this input unsupported (NotImplementedError)
     changed: dict = field(default_factory=dict)  # input name -> its value after the call, when written into
-    device: str = "cpu"  # the device of the output
     state_key: tuple = ()  # which module instance served the call (a stateful module's memory)
     kept: bool = True  # False: inputs too large to keep; the call is not replayed
     grad_inputs: frozenset = frozenset()  # inputs that required grad (leaves of a backward pass)
-
-    def tensor(self, name):
-        return self.inputs.get(name)
 
 
 class Recorder:
@@ -106,8 +102,6 @@ class Recorder:
                     if isinstance(value, torch.Tensor) and not same(value, before[name]):
                         call.changed[name] = snapshot(value)
         call.out = _copy_out(out) if kept else None
-        first = out[0] if isinstance(out, (tuple, list)) and out else out
-        call.device = first.device.type if isinstance(first, torch.Tensor) else "cpu"
         return out
 
 
