@@ -27,7 +27,7 @@ def run(args) -> int:
         sys.stdout.write(render_mistake(args.id, args.format))
         return EXIT_OK
     if args.id not in REGISTRY:
-        return usage_error(args, f"unknown property or mistake id {args.id!r}; property ids:\n  "
-                           + "\n  ".join(REGISTRY) + "\nmistake ids: attn-spec list --mistakes")
+        return usage_error(args, f"unknown property id {args.id!r} (nor a mistake id: attn-spec list --mistakes "
+                                 f"lists those); known property ids:\n  " + "\n  ".join(REGISTRY))
     sys.stdout.write(render(args.id, args.format))
     return EXIT_OK

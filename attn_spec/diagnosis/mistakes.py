@@ -31,14 +31,14 @@ def scale_missing(q, k, v, mask, scale):
 
 
 @mistake("scale-one-over-dk", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are scaled by 1/d_k instead of 1/sqrt(d_k): divided by d_k, or 1/sqrt(d_k) applied twice",
+         sentence="scores are scaled by 1/d_k instead of 1/sqrt(d_k): divided by d_k, or 1/sqrt(d_k) applied twice",
          fix="scale by 1 / math.sqrt(d_k), once")
 def scale_one_over_dk(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, 1 / q.shape[-1]))
 
 
 @mistake("scale-one-over-two-dk", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are scaled by 1/(2 d_k) instead of 1/sqrt(d_k): `scores / d_k ** 1/2` divides by d_k, "
+         sentence="scores are scaled by 1/(2 d_k) instead of 1/sqrt(d_k): `scores / d_k ** 1/2` divides by d_k, "
                   "then by 2 (** binds tighter than /)",
          fix="write d_k ** 0.5 (or math.sqrt(d_k))")
 def scale_one_over_two_dk(q, k, v, mask, scale):
@@ -46,7 +46,7 @@ def scale_one_over_two_dk(q, k, v, mask, scale):
 
 
 @mistake("scale-multiplied", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are scaled by sqrt(d_k) instead of 1/sqrt(d_k): multiplied instead of divided",
+         sentence="scores are scaled by sqrt(d_k) instead of 1/sqrt(d_k): multiplied instead of divided",
          fix="divide the scores by math.sqrt(d_k)")
 def scale_multiplied(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, math.sqrt(q.shape[-1])))
@@ -54,7 +54,7 @@ def scale_multiplied(q, k, v, mask, scale):
 
 @mistake("scale-hard-coded", family="scale", caught_by=("scale-sqrt-dk",),
          params=tuple({"width": w} for w in (64, 128, 32, 16, 256, 512, 768, 1024, 8, 4)),
-         sentence="the scores are scaled by 1/sqrt({width}) instead of 1/sqrt(d_k): d_k is hard-coded, not the width "
+         sentence="scores are scaled by 1/sqrt({width}) instead of 1/sqrt(d_k): d_k is hard-coded, not the width "
                   "of the input",
          fix="compute the scale from the input: 1 / math.sqrt(Q.size(-1))")
 def scale_hard_coded(q, k, v, mask, scale, width):
@@ -62,7 +62,7 @@ def scale_hard_coded(q, k, v, mask, scale, width):
 
 
 @mistake("scale-d-v", family="scale", caught_by=("scale-sqrt-dk",),
-         sentence="the scores are scaled by 1/sqrt(d_v) instead of 1/sqrt(d_k): the width of V is used",
+         sentence="scores are scaled by 1/sqrt(d_v) instead of 1/sqrt(d_k): the width of V is used",
          fix="scale by 1 / math.sqrt(Q.size(-1)), the width of Q and K")
 def scale_d_v(q, k, v, mask, scale):
     return correct(q, k, v, mask, _scaled(q, scale, 1 / math.sqrt(v.shape[-1])))

@@ -64,7 +64,7 @@ def kv_projections_swapped(x_q, x_kv, W, h, mask):
 
 
 @mistake("scale-d-model", level="module", family="multi-head", caught_by=("scale-sqrt-dk", "head-concat-equivalence"),
-         sentence="the scores are scaled by 1/sqrt(d_model) instead of 1/sqrt(d_k): the whole width, not the "
+         sentence="scores are scaled by 1/sqrt(d_model) instead of 1/sqrt(d_k): the whole width, not the "
                   "per-head d_k = d_model / h",
          fix="scale by 1 / math.sqrt(d_model // n_heads)")
 def scale_d_model(x_q, x_kv, W, h, mask):

@@ -63,9 +63,7 @@ class TargetReport:
                  f"{', '.join(p.id for p in expected)}") if expected else ""
         if self.conforms:
             return f"CONFORMS ({known})" if known else "CONFORMS"
-        roots = f"; {len(self.diagnoses)} root cause{'s' if len(self.diagnoses) != 1 else ''}" if self.diagnoses else ""
-        return (f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{roots}"
-                f"{'; ' + known if known else ''})")
+        return f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{'; ' + known if known else ''})"
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
