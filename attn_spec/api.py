@@ -13,13 +13,13 @@ from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import Property
 from attn_spec.checking.runner import check_target
-from attn_spec.errors import Failure, KitUsageError
+from attn_spec.errors import Failure, KitUsageError, TargetLoadError
 from attn_spec.properties import select
 from attn_spec.report import Report
 from attn_spec.report.ci import Expectations
 from attn_spec.targets.behaviours import parse_requirements
 from attn_spec.targets.capabilities import parse_capabilities
-from attn_spec.targets.conventions import Target, make_target
+from attn_spec.targets.conventions import Target, load, make_target
 from attn_spec.targets.loading import load_target
 from attn_spec.version import __version__
 
@@ -59,31 +59,53 @@ def plan(settings: attn_settings.Settings) -> Plan:
                 devices, expectations)
 
 
-def load_targets(settings: attn_settings.Settings, name: str | None = None) -> list[Target]:
-    """The TARGET specs of the settings, loaded (TargetLoadError for one that cannot be)."""
-    root = settings.bases.get("targets")
-    return [make_target(load_target(spec, root=root), name or spec, settings["convention"])
-            for spec in settings["targets"]]
+def load_targets(settings: attn_settings.Settings, name: str | None = None, *, not_loaded: list | None = None,
+                 verbose: bool = False) -> list[Target]:
+    """The TARGET specs of the settings, loaded: what importing each printed is kept, the global state it
+    changed restored (attn_spec.targets.conventions.load). One that cannot be raises TargetLoadError (or
+    KitUsageError: no convention fits), or, given a ``not_loaded`` list, is recorded there as
+    ``{"target", "message"}`` while the others still load."""
+    root, targets = settings.bases.get("targets"), []
+    for spec in settings["targets"]:
+        try:
+            targets.append(load(spec, settings["convention"], name=name or spec, root=root,
+                                inference_only=settings["inference-only"], verbose=verbose))
+        except (TargetLoadError, KitUsageError) as exc:
+            if not_loaded is None:
+                raise
+            not_loaded.append({"target": spec, "message": str(exc)})
+    return targets
 
 
-def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True) -> Report:
+def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True,
+        verbose: bool = False, not_loaded=()) -> Report:
     """Check each target as ``plan`` says; the expectations file, if any, is applied to the report.
-    ``diagnose``: group each target's failures by root (attn_spec.diagnosis); off, only the catalog's order."""
+    ``diagnose``: group each target's failures by root (attn_spec.diagnosis); off, only the catalog's order.
+    ``verbose``: keep all the output the targets printed, warned and logged, not only the count and
+    first occurrence. ``not_loaded``: targets that could not be loaded, listed in the report."""
     s = plan.settings
     expected = set(plan.expectations.ids) if plan.expectations else set()
-    reports = [check_target(target, plan.properties, profile=s["profile"], seed=plan.seed, dtypes=plan.dtypes,
-                            devices=plan.devices, progress=progress, require=s["require"], exitfirst=exitfirst,
-                            expected=expected, diagnose=diagnose) for target in targets]
-    report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes)
+    reports = []
+    for target in targets:
+        target.inference_only = target.inference_only or s["inference-only"]
+        reports.append(check_target(target, plan.properties, profile=s["profile"], seed=plan.seed, dtypes=plan.dtypes,
+                                    devices=plan.devices, progress=progress, require=s["require"],
+                                    exitfirst=exitfirst, expected=expected, diagnose=diagnose, verbose=verbose))
+    report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes,
+                    not_loaded=list(not_loaded))
     if plan.expectations:
         plan.expectations.apply(report)
     return report
 
 
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
-          devices=None, require=None, expect=None, progress=None, exitfirst=False, config=False,
-          diagnose=True) -> Report:
+          devices=None, require=None, expect=None, inference_only=None, progress=None, exitfirst=False,
+          verbose=False, config=False, diagnose=True) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
+
+    ``inference_only``: the targets are inference kernels, so an output without autograd makes
+    ``gradients`` a skip instead of a failure. ``verbose``: the report keeps all of the targets'
+    captured output (prints, warnings, log records), not only the count and first occurrence.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
     >>> report.conforms, print(report)
@@ -91,25 +113,37 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     ``config=True`` also reads what is not given here from the environment (``ATTN_SPEC_*``) and from
     ``[tool.attn-spec]`` in the nearest pyproject.toml (or the one at ``config``, a path), including
     the targets when none are given: ``attn_spec.check(config=True)`` is ``attn-spec check``.
-    ``expect``: an expectations file, as ``--expect``.
+    ``expect``: an expectations file, as ``--expect``. ``inference_only``: the targets are inference
+    kernels, so an output without autograd makes ``gradients`` a skip instead of a failure.
+    ``verbose``: the report keeps all of the targets' captured output (prints, warnings, log
+    records), not only the count and first occurrence. A target that cannot be wrapped (an adapter
+    class that raises when instantiated) is listed in ``report.not_loaded``; the others are checked.
     """
     given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
-                            dtypes=dtypes, devices=devices, require=require, expect=expect)
+                            dtypes=dtypes, devices=devices, require=require, expect=expect,
+                            inference_only=inference_only)
     if not config:
         settings = attn_settings.resolve([given])
     else:
         settings = attn_settings.load(given, path=None if config is True else config)
     checked_plan = plan(settings)
+    not_loaded = []
     if targets:
-        loaded = [obj if isinstance(obj, Target) else
-                  make_target(load_target(obj) if isinstance(obj, str) else obj,
-                              name if len(targets) == 1 else (obj if isinstance(obj, str) else None),
-                              settings["convention"]) for obj in targets]
+        loaded = []
+        for obj in targets:
+            key = name if len(targets) == 1 else (obj if isinstance(obj, str) else None)
+            try:
+                loaded.append(obj if isinstance(obj, Target) else
+                              load(obj, settings["convention"], name=key, verbose=verbose) if isinstance(obj, str) else
+                              make_target(obj, key, settings["convention"]))
+            except TargetLoadError as exc:  # an adapter class that raises when instantiated: the others still run
+                not_loaded.append({"target": key or getattr(obj, "__qualname__", repr(obj)), "message": str(exc)})
     elif settings["targets"]:
-        loaded = load_targets(settings)
+        loaded = load_targets(settings, verbose=verbose)
     else:
         raise KitUsageError("no targets: pass one, or set targets in [tool.attn-spec] and call with config=True")
-    return run(loaded, checked_plan, progress=progress, exitfirst=exitfirst, diagnose=diagnose)
+    return run(loaded, checked_plan, progress=progress, exitfirst=exitfirst, diagnose=diagnose, verbose=verbose,
+               not_loaded=not_loaded)
 
 
 def config_keywords(**values) -> attn_settings.Layer:

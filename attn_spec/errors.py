@@ -10,13 +10,19 @@
 
 Two control-flow signals of the grader are BaseExceptions on purpose and live beside the code that
 raises them (``grading.isolation.remote.Stopped``, ``grading.isolation.sandbox.BadOutput``): they
-must pass through Hypothesis and a property's ``except Exception`` untouched.
+must pass through Hypothesis and a property's ``except Exception`` untouched. Both derive from
+:class:`KitSignal`, which a call into a target also lets through (every other exception raised
+there, BaseExceptions included, is the target's: attn_spec.targets.guard).
 """
 from __future__ import annotations
 
 
 class AttnSpecError(Exception):
     """The root of every exception the kit raises on purpose."""
+
+
+class KitSignal(BaseException):
+    """A control-flow signal of the kit's own: passes untouched through target calls, properties and Hypothesis."""
 
 
 class Failure(AttnSpecError, AssertionError):
@@ -38,7 +44,11 @@ class TargetRaised(Failure):
     """The target raised an exception (other than NotImplementedError) on a valid input."""
 
     def __init__(self, exc: BaseException, call: str, user_traceback: str):
-        super().__init__(f"{call} raised {type(exc).__name__}: {exc}",
+        try:
+            text = str(exc)
+        except BaseException:  # noqa: BLE001 - an exception whose __str__ raises is still reported
+            text = "(its message cannot be printed)"
+        super().__init__(f"{call} raised {type(exc).__name__}: {text}",
                          cause="the attention under test crashed on a valid input; see its traceback")
         self.exc, self.user_traceback = exc, user_traceback
 

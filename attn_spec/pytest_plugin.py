@@ -179,6 +179,7 @@ class Checker:
         extra = [f"--attn-convention={self.convention}"] if self.convention else []
         extra += [f"--attn-dtypes={','.join(self.plan.dtypes)}"] if self.settings["dtypes"] else []
         extra += [f"--attn-devices={','.join(self.plan.devices)}"] if self.settings["devices"] else []
+        extra += ["--attn-inference-only"] if self.settings["inference-only"] else []
         return " ".join(["pytest", f"--attn-target={spec}", f"--attn-only={property_id}",
                          f"--attn-profile={self.profile}", f"--attn-seed={self.plan.seed}", *extra])
 
@@ -240,7 +241,11 @@ class PropertyItem(_AttnItem):
 
         c = self.checker
         result = run_property(self.prop, c.targets[self.key], profile=c.profile, seed=c.plan.seed,
-                              dtypes=c.plan.dtypes, devices=c.plan.devices)
+                              dtypes=c.plan.dtypes, devices=c.plan.devices, verbose=True)
+        for kind, found in (result.output or {}).items():  # shown as pytest shows a test's captured output
+            text = found["all"] if isinstance(found["all"], str) else "\n".join(
+                item["text"] + (f" (x{item['count']})" if item["count"] > 1 else "") for item in found["all"])
+            self.add_report_section("call", f"{kind} of the target", text)
         if result.status == "skip":
             pytest.skip(f"{self.prop.id}: {result.message}")
         if result.status in ("fail", "error"):
@@ -322,7 +327,8 @@ def _marker_checker(item, mark, session: AttnSpecSession):
         key, obj = target, load_target(target)
     else:
         key, obj = spec_of(target) or getattr(target, "__qualname__", type(target).__name__), target
-    return Checker(settings, seed, {key: make_target(obj, key, settings["convention"])}), key
+    return Checker(settings, seed, {key: make_target(obj, key, settings["convention"],
+                                                     inference_only=settings["inference-only"])}), key
 
 
 class MarkerError(pytest.Item):

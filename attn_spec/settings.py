@@ -106,8 +106,9 @@ _SETTINGS = (
             "fail the run, and stale lines are reported", metavar="FILE", paths="file"),
     Setting("masks", "mask kinds the targets take: bool, additive (default: bool)", kind="list",
             choices=("bool", "additive"), metavar="KIND", pending="issue 12", unset="bool"),
-    Setting("inference-only", "an inference kernel: no autograd needed, gradients is a skip", kind="bool",
-            default=False, pending="issue 12"),
+    Setting("inference-only", "the targets are inference kernels: an output without autograd makes gradients a "
+            "skip, not a failure (function, module and adapter targets must otherwise be differentiable)",
+            kind="bool", default=False),
     Setting("layout", "input layout of function and sdpa targets: bhsd or bshd (default: detected)",
             choices=("bhsd", "bshd"), metavar="LAYOUT", pending="issue 15", unset="detected"),
     Setting("shapes", "check at these shapes: B,H,N,D or B,H,HKV,NQ,NKV,D", kind="list", split=r"\s+",

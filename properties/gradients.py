@@ -1,8 +1,10 @@
 """Gradients: attention is trained, so its backward pass is part of the contract.
 
 The reference gradients are the closed form of ``attn_spec.checking.grad_tolerance`` in float64; a
-target's gradients come through ``target.vjp`` (tensors in, tensors out), so a target whose
-output is not differentiable at all makes the property a skip, with that reason.
+target's gradients come through ``target.vjp`` (tensors in, tensors out). An output that is not
+differentiable at all fails the property for the conventions that are trained (function, module,
+adapter), with how it left the graph; it is a skip for a target declared inference-only, and for
+the library conventions sdpa and torch-mha (``Target.vjp``).
 """
 from __future__ import annotations
 

@@ -90,6 +90,26 @@ def test_buggy_target_fails_with_the_property_id_and_the_lesson(attn_files):
     ])
 
 
+DETACHED_AND_CHATTY = CORRECT.replace("    return torch.softmax(scores, dim=-1) @ V  # [..., n_q, d_v]",
+                                      "    print('called with', tuple(Q.shape))\n"
+                                      "    return (torch.softmax(scores, dim=-1) @ V).detach()")
+
+
+def test_inference_only_and_the_targets_output(pytester):
+    """Detached: gradients fails, with the target's prints as a captured section; with
+    --attn-inference-only it is a skip that says why."""
+    pytester.makepyfile(attn_detached=DETACHED_AND_CHATTY)
+    args = ["--attn-target", "attn_detached.py:attention", "--attn-only", "gradients,rows-sum-to-one",
+            "--attn-profile", "quick", "--attn-seed", "3", "-rs"]
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*what happened: no autograd: *it leaves the autograd graph through .detach()*",
+                                 "*Captured stdout of the target call*", "called with (2, 2)*"])
+    result = pytester.runpytest_subprocess(*args, "--attn-inference-only")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*gradients: declared an inference kernel*"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--attn-target", "attn_ok.py:attention", "--attn-only", "rows-sum-to-one,no-such-property"],
      "ERROR: attn-spec: only=[[]'rows-sum-to-one,no-such-property'[]] from the command line (--attn-only): "

@@ -17,13 +17,26 @@ def _only(target, prop, **kwargs):
     return report.targets[0].properties[0]
 
 
-def test_gradients_of_a_non_differentiable_target_is_a_skip_with_the_reason():
-    def detached(Q, K, V, mask=None):
-        return seed_function(Q, K, V, mask).detach()
+def detached(Q, K, V, mask=None):
+    return seed_function(Q, K, V, mask).detach()
 
+
+def test_a_non_differentiable_target_fails_gradients_unless_declared_inference_only():
     result = _only(detached, "gradients")
+    assert result.status == "fail"
+    assert "not differentiable" in result.message and "through .detach()" in result.message
+    assert "--inference-only" in result.cause
+    result = _only(detached, "gradients", inference_only=True)
     assert result.status == "skip"
-    assert "not differentiable" in result.message
+    assert result.message.startswith("declared an inference kernel") and ".detach()" in result.message
+
+
+def test_library_conventions_without_autograd_keep_the_skip():
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask).detach()
+
+    result = _only(sdpa, "gradients")
+    assert result.status == "skip" and result.message.startswith("no autograd")
 
 
 def test_finite_differences_catch_a_backward_that_is_not_the_forward_derivative():

@@ -7,6 +7,7 @@ import os
 import tempfile
 import time
 import traceback
+import zlib
 
 import hypothesis.configuration as hypothesis_configuration
 import torch
@@ -20,6 +21,7 @@ from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.targets.capabilities import parse_capabilities, probe_capabilities
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
+from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
 from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
@@ -82,8 +84,29 @@ def _hypothesis_home_elsewhere():
         hypothesis_configuration.set_hypothesis_home_dir(previous)
 
 
-def run_property(prop: Property, target: Target, *, profile: str, seed: int, dtypes, devices) -> PropertyResult:
-    """Run one property: explicit examples first, then random cases, shrinking any failure."""
+@contextlib.contextmanager
+def _global_rng(seed: int, salt: str):
+    """torch's global RNG seeded from the run's seed and ``salt`` (the kit never draws from it; a target with
+    dropout does), and the caller's RNG state restored afterwards: a target's random numbers do not depend
+    on what ran before it."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    saved = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
+    torch.manual_seed(zlib.crc32(salt.encode()) ^ seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        if cuda:
+            torch.cuda.set_rng_state_all(saved[1])
+
+
+def run_property(prop: Property, target: Target, *, profile: str, seed: int, dtypes, devices,
+                 verbose: bool = False) -> PropertyResult:
+    """Run one property: explicit examples first, then random cases, shrinking any failure.
+
+    The target's prints, warnings and log records are captured (``result.output``; all that was
+    kept with ``verbose``); its exceptions are its failures; an exception of the kit's own is an
+    ``error`` with the kit's traceback."""
     result = PropertyResult(prop.id, "pass", statement=prop.statement)
     if target.convention not in prop.conventions:
         result.status, result.message = "skip", f"does not apply to the {target.convention} convention"
@@ -118,9 +141,9 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     test = settings(max_examples=prof.max_examples, deadline=None, database=None, derandomize=False,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet)(test)
-    start = time.perf_counter()
+    start, output = time.perf_counter(), None
     try:
-        with _hypothesis_home_elsewhere():
+        with _hypothesis_home_elsewhere(), capture() as output, _global_rng(seed, prop.id):
             hypothesis_seed(seed)(test)()
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
@@ -134,6 +157,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.status = "error"
         result.message = f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.seconds = time.perf_counter() - start
+    result.output = output and output.summary(verbose)
     if unsupported and result.status == "pass":
         if supported[0]:
             result.message = f"checked on {supported[0]} supported inputs; others skipped: {unsupported[0]}"
@@ -197,10 +221,10 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
         results.append(result)
     for name in parse_capabilities(require):
         result = PropertyResult(f"capability:{name}", "pass", statement=f"required capability: {name}")
-        if report.capabilities[name] != "yes":
+        if report.capabilities.get(name) != "yes":
             result.status = "fail"
-            result.message = (f"required capability {name}, found {report.capabilities[name]}: "
-                              f"{report.lacks[name]}")
+            result.message = (f"required capability {name}, found {report.capabilities.get(name, 'not probed')}: "
+                              f"{report.lacks.get(name, 'the probe did not run')}")
         results.append(result)
     return results
 
@@ -213,14 +237,39 @@ RUN_FIRST = ("matches-reference",)
 NOT_RUN = "stopped at the first failure"  # the message of each property --exitfirst left out
 
 
+def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: int, verbose: bool) -> None:
+    """The behaviours and capabilities of the header; a bug of the kit's own there is an ``error`` row."""
+    with capture() as output, _global_rng(seed, "header"):
+        for name, probe in (("behaviours", lambda: probe_behaviours(target, "float32" if "float32" in dtypes
+                                                                    else dtypes[0], devices[0])),
+                            ("capabilities", lambda: probe_capabilities(target, dtypes, devices[0]))):
+            try:
+                found = probe()
+            except Exception as exc:  # noqa: BLE001 - a bug in the kit itself, reported, never hidden
+                report.properties.append(PropertyResult(
+                    f"probe:{name}", "error", statement=f"the header's {name}, probed on tiny inputs",
+                    message=f"internal error in attn-spec while probing the {name}: {type(exc).__name__}: {exc}\n"
+                            f"{traceback.format_exc()}"))
+                continue
+            if name == "behaviours":
+                report.behaviours = found
+            else:
+                report.capabilities, report.lacks = found
+    report.output.update(target.output)
+    if output.summary():
+        report.output["header probes"] = output.summary(verbose)
+
+
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
                  devices=None, progress=None, require=None, exitfirst=False, expected=(),
-                 diagnose=True) -> TargetReport:
+                 diagnose=True, verbose=False) -> TargetReport:
     """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target; then, when
     something failed and ``diagnose``, group the failures by root (:mod:`attn_spec.diagnosis`).
 
     ``exitfirst``: after the first failure of a property not in ``expected`` (an expectations file's
-    ids), the rest are ``not-run``."""
+    ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
+    failures, its output is captured, the global state it changes is restored after each call and
+    listed in ``state_changes``."""
     report = TargetReport(target.name, target.convention)
     dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
     results = {}
@@ -230,7 +279,8 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
             continue
         if progress:
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
-        results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices)
+        results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices,
+                                        verbose=verbose)
     report.properties = [results[p.id] for p in props]
     mark_blocked(report.properties)
     if diagnose and any(r.status == "fail" for r in report.properties):
@@ -238,8 +288,9 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         diagnose_report(target, report, REGISTRY)
         report.diagnosis_seconds = time.perf_counter() - start
     # The header's probes run last, so that the properties' calls come first (a verdict sooner).
-    report.behaviours = probe_behaviours(target, "float32" if "float32" in dtypes else dtypes[0], devices[0])
-    report.capabilities, report.lacks = probe_capabilities(target, dtypes, devices[0])
+    _probe_header(report, target, dtypes, devices, seed, verbose)
     report.properties.extend(_requirements(report, require))
     report.calls = target.calls
+    report.inference_only = target.inference_only
+    report.state_changes = target.state.notes()
     return report

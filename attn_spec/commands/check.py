@@ -18,13 +18,15 @@ Examples:
   attn-spec check torch.nn.functional:scaled_dot_product_attention --dtypes float32 --device cpu
   attn-spec check my.py:attention --require fully-masked=zeros mask-polarity=true-attends
   attn-spec check my.py:attention --require mask autograd bfloat16
+  attn-spec check my_kernel.py:attention --inference-only     # no backward: gradients is a skip
+  attn-spec check chatty.py:attention -v                      # all that the target printed and warned
 
 Every setting can also come from an environment variable (ATTN_SPEC_PROFILE=quick, ...) or the
 [tool.attn-spec] table of pyproject.toml (profile = "quick"); the command line wins, then the
 environment, then the file. `attn-spec config` shows the effective settings and their sources.
 
 Exit status: 0 every target conforms, 1 a property fails, 2 usage error or a target
-that cannot be loaded.
+that cannot be loaded (the others are still checked and reported).
 """
 
 
@@ -36,6 +38,9 @@ def add_parser(commands) -> None:
     check = commands.add_parser("check", help="check attention functions or modules against the catalog",
                                 epilog=CHECK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(check)
+    check.add_argument("-v", "--verbose", action="store_true",
+                       help="show all the output the targets printed, warned and logged (captured per property; "
+                            "by default the report shows its count and first occurrence)")
     check.add_argument("-x", "--exitfirst", action="store_true",
                        help="stop at the first unexpected failure (the fastest verdict; the rest are reported as not run)")
     check.add_argument("--format", choices=("text", "markdown", "json", "junit", "html"), default="text",
@@ -72,7 +77,6 @@ def run(args) -> int:
         return usage_error(args, f"no TARGET given, and no targets in {config.TABLE} of a pyproject.toml here or "
                                  f"above (nor in {config.SETTINGS['targets'].env})")
     from attn_spec import api
-    from attn_spec.errors import KitUsageError, TargetLoadError
     from attn_spec.report.ci import github_annotations, to_junit
     from attn_spec.report.text import render as render_report
 
@@ -80,14 +84,16 @@ def run(args) -> int:
         plan = api.plan(settings)
     except config.SettingError as exc:
         return usage_error(args, str(exc))
-    try:
-        targets = api.load_targets(settings)
-    except (TargetLoadError, KitUsageError) as exc:  # unloadable, or no convention fits
-        print(f"attn-spec: {exc}", file=sys.stderr)
+    not_loaded = []  # a target that cannot be loaded (or fits no convention) does not stop the others
+    targets = api.load_targets(settings, not_loaded=not_loaded, verbose=args.verbose)
+    for missing in not_loaded:
+        print(f"attn-spec: {missing['error']}", file=sys.stderr)
+    if not targets:
         return EXIT_USAGE
     progress = _Progress(sys.stderr.isatty())
     try:
-        report = api.run(targets, plan, progress=progress, exitfirst=args.exitfirst)
+        report = api.run(targets, plan, progress=progress, exitfirst=args.exitfirst, verbose=args.verbose,
+                         not_loaded=not_loaded)
     finally:
         progress.done()
     colour = not args.output and sys.stdout.isatty() and "NO_COLOR" not in os.environ
@@ -100,4 +106,4 @@ def run(args) -> int:
         sys.stdout.write(render(report))
     if os.environ.get("GITHUB_ACTIONS") == "true":  # annotations on the pull request
         print("\n".join(github_annotations(report)), flush=True)
-    return EXIT_OK if report.conforms else EXIT_FAIL
+    return EXIT_USAGE if not_loaded else EXIT_OK if report.conforms else EXIT_FAIL

@@ -1,12 +1,23 @@
 """What a CI gate needs: JUnit XML, GitHub Actions annotations, and an expectations file."""
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attn_spec.report.results import Report
-from attn_spec.report.text import failure_section
+from attn_spec.report.text import failure_section, output_text
+
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")  # what XML 1.0 cannot hold
+
+
+def _xml_safe(element: ET.Element) -> None:
+    """Replace, in every text and attribute, the characters XML 1.0 forbids (a target's message or
+    output may hold control characters) by U+FFFD, so that the file always parses."""
+    for e in element.iter():
+        e.text = e.text and _NOT_XML.sub("\ufffd", e.text)
+        e.attrib.update({k: _NOT_XML.sub("\ufffd", v) for k, v in e.attrib.items()})
 
 
 def to_junit(report: Report) -> str:
@@ -39,10 +50,13 @@ def to_junit(report: Report) -> str:
                 element.text = failure_section(p, markdown=False)
             elif p.status in ("skip", "not-run"):
                 ET.SubElement(case, "skipped", message=p.message if p.status == "skip" else f"not run: {p.message}")
+            if p.output:  # what the target printed, warned and logged meanwhile
+                ET.SubElement(case, "system-out").text = output_text(p.output)
         for key in totals:
             totals[key] += counts[key]
         total_time += seconds
     suites.attrib.update({k: str(v) for k, v in totals.items()}, time=f"{total_time:.3f}")
+    _xml_safe(suites)
     ET.indent(suites)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
 

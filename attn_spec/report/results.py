@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,12 +21,13 @@ class PropertyResult:
     expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
     found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
     case: object = field(default=None, repr=False, compare=False)  # the minimal failing case (not serialised)
+    output: dict | None = None  # what the target printed, warned and logged meanwhile (attn_spec.targets.capture)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
                 "blocked_by": self.blocked_by, "expected": self.expected, "counterexample": self.counterexample,
                 "examples": self.examples, "seconds": round(self.seconds, 4),
-                "found_after_calls": self.found_after_calls}
+                "found_after_calls": self.found_after_calls, "output": self.output}
 
 
 @dataclass
@@ -39,6 +41,9 @@ class TargetReport:
     lacks: dict = field(default_factory=dict)  # name -> why, for each capability that is not "yes"
     diagnoses: list = field(default_factory=list)  # attn_spec.diagnosis.roots.Diagnosis: one per root cause
     diagnosis_seconds: float = 0.0  # the time the diagnosis took (replays and model fits)
+    inference_only: bool = False  # declared an inference kernel: a missing backward is a skip
+    state_changes: list = field(default_factory=list)  # global state the target changed: {state, change, during}
+    output: dict = field(default_factory=dict)  # phase outside the properties ("import", "header probes") -> output
 
     @property
     def conforms(self) -> bool:
@@ -72,7 +77,8 @@ class TargetReport:
                 "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
                 "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
                 "diagnoses": [d.to_dict() for d in self.diagnoses],
-                "properties": [p.to_dict() for p in self.properties]}
+                "inference_only": self.inference_only, "state_changes": list(self.state_changes),
+                "output": dict(self.output), "properties": [p.to_dict() for p in self.properties]}
 
 
 @dataclass
@@ -86,10 +92,11 @@ class Report:
     dtypes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # e.g. stale lines of an expectations file
     expect: str | None = None  # the expectations file applied (--expect), if any
+    not_loaded: list[dict] = field(default_factory=list)  # {target, message}: TARGETs that could not be loaded
 
     @property
     def conforms(self) -> bool:
-        return all(t.conforms for t in self.targets)
+        return all(t.conforms for t in self.targets) and not self.not_loaded
 
     def summary(self) -> dict:
         """The counts of the whole run (the summary line of a multi-target run)."""
@@ -119,11 +126,13 @@ class Report:
         return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
                 "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
                 "conforms": self.conforms, "warnings": list(self.warnings), "expect": self.expect,
-                "summary": self.summary(),
+                "not_loaded": list(self.not_loaded), "summary": self.summary(),
                 "targets": [t.to_dict() for t in self.targets]}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        """Strict RFC 8259 JSON: NaN and the infinities, which JSON cannot write as numbers, become the
+        strings "NaN", "Infinity" and "-Infinity" (``float(x)`` and JavaScript's ``Number(x)`` read them)."""
+        return json.dumps(finite_json(self.to_dict()), indent=2, allow_nan=False)
 
     def __str__(self) -> str:
         from attn_spec.report.text import render
@@ -140,6 +149,17 @@ class Report:
         """Jupyter's rich display: the self-contained HTML report with heatmaps (attn_spec.report.html)."""
         from attn_spec.report.html import to_html
         return to_html(self)
+
+
+def finite_json(data):
+    """``data`` with every non-finite float replaced by "NaN", "Infinity" or "-Infinity"."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return "NaN" if math.isnan(data) else ("Infinity" if data > 0 else "-Infinity")
+    if isinstance(data, dict):
+        return {key: finite_json(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_json(value) for value in data]
+    return data
 
 
 def tensor_to_data(t, limit: int = 256):

@@ -126,8 +126,67 @@ def header_lines(t: TargetReport) -> list[str]:
     if t.capabilities:
         has = [name for name, value in t.capabilities.items() if value == "yes"]
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
-                 if value in ("no", "raises")]
+                 if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
+    if t.inference_only:
+        lines.append("declared: an inference kernel (inference_only): a missing backward is a skip, not a failure")
+    if t.state_changes:
+        lines.append("changed global state (restored by the kit after every call): " + "; ".join(
+            f"{c['state']} {c['change']} (first by {c['during']})" for c in t.state_changes))
+    return lines
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _count(kind: str, n: int) -> str:
+    if kind in ("stdout", "stderr"):
+        return f"{kind}: {_plural(n, 'line')}"
+    return f"{kind}: {n:,}"
+
+
+def _output_in_full(output: dict, pad: str) -> list[str]:
+    """All that was kept of each kind (``attn-spec check -v``)."""
+    lines = []
+    for kind, found in output.items():
+        lines.append(f"{pad}{_count(kind, found['count'])}")
+        items = found["all"] if isinstance(found["all"], list) else [{"text": found["all"], "count": 1}]
+        for item in items:
+            times = f" (x{item['count']:,})" if item["count"] > 1 else ""
+            lines += [f"{pad}  {line}" for line in (item["text"] + times).splitlines()]
+    return lines
+
+
+def output_text(output: dict) -> str:
+    """One phase's captured output: all that was kept (``-v``), else each kind's count and first occurrence."""
+    if any("all" in found for found in output.values()):
+        return "\n".join(_output_in_full(output, ""))
+    return "\n".join(f"{_count(kind, found['count'])}; first: {found['first']}" for kind, found in output.items())
+
+
+def output_lines(t: TargetReport, markdown: bool) -> list[str]:
+    """What the target printed, warned and logged (captured, never shown raw). By default each kind's
+    count over the whole check and its first occurrence; with ``-v`` (``all`` kept) all of it, per phase."""
+    phases = ([("import", t.output["import"])] if "import" in t.output else []) + \
+        [(p.id, p.output) for p in t.properties if p.output] + \
+        [(phase, output) for phase, output in t.output.items() if phase != "import"]
+    if not phases:
+        return []
+    bullet = "- " if markdown else "  "
+    if any("all" in found for _, output in phases for found in output.values()):
+        lines = ["", "output of the target (captured):"]
+        for phase, output in phases:
+            full = _output_in_full(output, "    ")
+            lines += [f"{bullet}{phase}:"] + (["```", *full, "```"] if markdown else full)
+        return lines
+    lines = ["", "output of the target (captured; attn-spec check -v shows all of it):"]
+    for kind in ("stdout", "stderr", "warnings", "logging"):
+        where = [(phase, output[kind]) for phase, output in phases if kind in output]
+        if where:
+            (phase, first), total = where[0], sum(found["count"] for _, found in where)
+            lines.append(f"{bullet}{_count(kind, total)} in {_plural(len(where), 'phase')}; "
+                         f"first, in {phase}: {_short(first['first'])!r}")
     return lines
 
 
@@ -247,6 +306,7 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
         not_run = [p for p in t.properties if p.status == "not-run"]
         if not_run:
             out.append(f"{'- ' if markdown else '  '}{len(not_run)} not run: {not_run[0].message}")
+        out += output_lines(t, markdown)
         results = {p.id: p for p in t.failures}
         for i, d in enumerate(t.diagnoses, 1):
             out.append("\n" + root_section(d, i, len(t.diagnoses), results, markdown, colour))
@@ -259,6 +319,10 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
                            f"({p.message})")
             else:
                 out.append("\n" + failure_section(p, markdown, colour))
+    for missing in report.not_loaded:
+        title = f"{missing['target']}: NOT LOADED"
+        out.append(f"\n## {title}\n" if markdown else f"\n{title}")
+        out.append(missing["message"])
     out += [f"\n{'- ' if markdown else ''}warning: {w}" for w in report.warnings]
     if len(report.targets) > 1:
         out.append(f"\n**{report.summary_line()}**" if markdown else f"\n{report.summary_line()}")

@@ -1,4 +1,6 @@
 """What is checked: loading a TARGET path, calling it through its calling convention
 (``conventions``: function, module, sdpa, torch-mha, adapter), the user's ``ModuleAdapter``s
 (``module_adapters``), and what the target can do and how it behaves, probed on tiny inputs
-(``capabilities``, ``behaviours``)."""
+(``capabilities``, ``behaviours``). Every call into the user's code runs under ``guard`` (the global
+state it changes is restored and noted); its output is captured per phase (``capture``); a detached
+output is diagnosed by ``detached``."""

@@ -22,13 +22,14 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ==============  ==================================================================
 
 Each probe yields ``yes``; ``no`` (the target declared or lacks it); ``raises`` (it raised some
-other exception: the properties that use such inputs fail and say why); or ``n/a``/``unchecked``.
+other exception, in its forward or its backward: the properties that use such inputs fail and say
+why); ``n/a``/``unchecked``; or ``error`` (a bug of the kit's own in that probe).
 """
 from __future__ import annotations
 
 import torch
 
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, NotDifferentiable
 from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.errors import KitUsageError
@@ -84,8 +85,12 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
             values[name], reasons[name] = "no", str(exc)
         except TargetRaised as exc:  # GQA is opt-in: a target that cannot broadcast the heads lacks it
             values[name], reasons[name] = ("no" if name == "gqa" else "raises"), exc.message
+        except NotDifferentiable as exc:  # detached: the gradients property fails and says how
+            values[name], reasons[name] = "no", exc.message
         except Failure as exc:  # a wrong shape or type: the properties say more
             values[name], reasons[name] = "raises", exc.message
+        except Exception as exc:  # noqa: BLE001 - a bug of the kit's own: this probe only, the others still run
+            values[name], reasons[name] = "error", f"internal error in attn-spec: {type(exc).__name__}: {exc}"
     return values, reasons
 
 

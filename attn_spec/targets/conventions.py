@@ -29,9 +29,12 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from attn_spec.checking.assertions import fail
-from attn_spec.errors import KitUsageError, TargetRaised, Unsupported
-from attn_spec.targets.loading import spec_of, user_traceback
+from attn_spec.checking.assertions import fail, message
+from attn_spec.errors import Failure, KitUsageError, TargetLoadError, TargetRaised, Unsupported
+from attn_spec.targets.capture import capture
+from attn_spec.targets.detached import how_detached
+from attn_spec.targets.guard import StateGuard, passes_through
+from attn_spec.targets.loading import load_target, spec_of, user_traceback
 from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
 CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
@@ -40,16 +43,22 @@ MULTIHEAD_CONVENTIONS = ("module", "torch-mha", "adapter")  # modules with proje
 PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
 
 
-def _call(fn, args, call: str):
+def _call(fn, args, call: str, state: StateGuard):
     """Run the user's code; its exceptions become a TargetRaised (or Unsupported) with its traceback.
 
-    Autograd follows the caller's mode: off by default, on inside ``Target.vjp``.
+    Every exception is the target's, BaseExceptions too (SystemExit, GeneratorExit, a
+    KeyboardInterrupt it raises itself), except the user's Ctrl-C and the kit's own signals.
+    ``state`` restores the global state the call changed. Autograd follows the caller's mode:
+    off by default, on inside ``Target.vjp``.
     """
     try:
-        return fn(*args)
+        with state.call(call):
+            return fn(*args)
     except NotImplementedError as exc:
         raise Unsupported(f"{call} raised NotImplementedError: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - anything the user's code raises is a finding
+    except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a finding
+        if passes_through(exc):
+            raise
         raise TargetRaised(exc, call, user_traceback(exc)) from None
 
 
@@ -64,13 +73,24 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     return out
 
 
+class NotDifferentiable(Failure):
+    """The output of a target that is to be trained carries no gradient (see ``Target.vjp``)."""
+
+
 class Target:
-    """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it."""
+    """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it.
+
+    ``inference_only``: the user declared an inference kernel, so a missing backward is a skip
+    (``--inference-only``). ``state`` restores the global state each call changes and keeps what
+    it was (attn_spec.targets.guard).
+    """
 
     convention = "?"
 
-    def __init__(self, obj, name: str):
-        self.obj, self.name, self.calls = obj, name, 0
+    def __init__(self, obj, name: str, *, inference_only: bool = False):
+        self.obj, self.name, self.calls, self.inference_only = obj, name, 0, inference_only
+        self.state = StateGuard()
+        self.output: dict[str, dict] = {}  # phase before the checks (the import) -> captured output
         self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.diagnosis.record)
 
     def fresh_instances(self) -> None:
@@ -99,8 +119,13 @@ class Target:
     def vjp(self, q, k, v, mask, grad_out):
         """(out, dQ, dK, dV): the output and the gradients of <out, grad_out> w.r.t. Q, K and V.
 
-        A gradient that does not reach an input comes back as zeros. A target whose output
-        is not differentiable at all (detached, computed under no_grad) raises Unsupported.
+        A gradient that does not reach an input comes back as zeros. An exception in the backward
+        is the target's (TargetRaised, with its traceback). ``.backward()`` on leaf copies, not
+        ``torch.autograd.grad``: reentrant checkpointing (``torch.utils.checkpoint(...,
+        use_reentrant=True)``) raises inside ``autograd.grad`` and supports only ``.backward()``
+        without ``inputs``. An output that is not differentiable at all raises NotDifferentiable
+        (function, module and adapter targets: they are trained) or Unsupported (inference-only
+        targets, and the library conventions sdpa and torch-mha).
         """
         return self._observe("vjp", {"q": q, "k": k, "v": v, "mask": mask, "grad_out": grad_out},
                              lambda: self._vjp(q, k, v, mask, grad_out), label="backward of <out, G>")
@@ -110,13 +135,29 @@ class Target:
         with torch.enable_grad():
             out = self._attend(*leaves, mask)
             if not out.requires_grad:
-                raise Unsupported("no autograd: the output is not differentiable in Q, K, V "
-                                  "(computed under no_grad, detached, or outside torch)", total=True)
-            # The gradient of the scalar <out, grad_out>: the same numbers as grad_outputs=grad_out
-            # (its backward multiplies by ones), without autograd's first-call import of sympy.
-            grads = torch.autograd.grad((out * grad_out).sum(), leaves, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+                self._not_differentiable(leaves, mask)
+            # The scalar <out, grad_out>: its backward gives the same numbers as grad_outputs=grad_out
+            # (it multiplies by ones), without autograd's first-call import of sympy.
+            loss = (out * grad_out).sum()
+            call = f"the backward of {self._describe_call(mask)}"
+            _call(loss.backward, (), call, self.state)
+        grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
         return (out.detach(), *grads)
+
+    def _describe_call(self, mask) -> str:
+        return f"{self.name}(Q, K, V{', mask' if mask is not None else ''})"
+
+    def _not_differentiable(self, leaves, mask):
+        how = how_detached(lambda: self._attend(*leaves, mask))
+        if self.inference_only:
+            raise Unsupported(f"declared an inference kernel (inference_only): the output is not differentiable "
+                              f"in Q, K, V; {how}", total=True)
+        if self.convention in ("sdpa", "torch-mha"):
+            raise Unsupported(f"no autograd: the output is not differentiable in Q, K, V; {how}", total=True)
+        raise NotDifferentiable(message(f"not differentiable in Q, K, V; {how}", what="no autograd: the output",
+                                        call=self._describe_call(mask)),
+                                cause="the attention is detached from autograd, so it cannot be trained; if it is "
+                                      "an inference kernel, declare it (--inference-only, inference_only=True)")
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None) -> torch.Tensor:
         raise Unsupported(f"the {self.convention} convention has no multi-head projections to compare", total=True)
@@ -173,8 +214,8 @@ class FunctionTarget(Target):
 
     convention = "function"
 
-    def __init__(self, obj, name):
-        super().__init__(obj, name)
+    def __init__(self, obj, name, **kwargs):
+        super().__init__(obj, name, **kwargs)
         self.takes_mask = positional_capacity(obj) >= 4
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
@@ -184,8 +225,8 @@ class FunctionTarget(Target):
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
         args = (q, k, v) if mask is None else (q, k, v, mask)
-        out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask}, lambda: _call(self.obj, args, call),
-                            call)
+        out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask},
+                            lambda: _call(self.obj, args, call, self.state), call)
         return check_output(out, attend_shape(q, k, v), call)
 
 
@@ -194,8 +235,8 @@ class SdpaTarget(Target):
 
     convention = "sdpa"
 
-    def __init__(self, obj, name):
-        super().__init__(obj, name)
+    def __init__(self, obj, name, **kwargs):
+        super().__init__(obj, name, **kwargs)
         self.accepts = set(parameter_names(obj) or ())
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
@@ -212,15 +253,15 @@ class SdpaTarget(Target):
         self.calls += 1
         call = f"{self.name}(q, k, v{''.join(f', {key}=...' for key in kwargs)})"
         out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask, "scale": scale, "is_causal": is_causal},
-                            lambda: _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call), call)
+                            lambda: _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call, self.state), call)
         return check_output(out, attend_shape(q, k, v), call)
 
 
 class ModuleTarget(Target):
     """A multi-head module, driven through a :class:`ModuleAdapter` (build, load weights, call)."""
 
-    def __init__(self, adapter: ModuleAdapter, name: str, convention: str = "module"):
-        super().__init__(adapter, name)
+    def __init__(self, adapter: ModuleAdapter, name: str, convention: str = "module", **kwargs):
+        super().__init__(adapter, name, **kwargs)
         self.adapter, self.convention = adapter, convention
         self._modules = {}  # (d_model, n_heads, dtype, device) -> instance; weights are reloaded per call
 
@@ -230,22 +271,37 @@ class ModuleTarget(Target):
     def _build(self, d_model, n_heads, weights, dtype, device):
         key = (d_model, n_heads, dtype, str(device))
         if key not in self._modules:
-            call = f"{self.name}({d_model}, {n_heads})"
-            module = _call(self.adapter.build, (d_model, n_heads), call)
-            if hasattr(module, "to"):
-                module = module.to(device=device, dtype=dtype)
-                module.eval()
-            self._modules[key] = module
+            self._modules[key] = _call(self._new_module, (d_model, n_heads, dtype, device),
+                                       f"{self.name}({d_model}, {n_heads})", self.state)
         module = self._modules[key]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.state.call(f"loading W_Q, W_K, W_V, W_O into {self.name}({d_model}, {n_heads})"):
                 self.adapter.load(module, *(weights[name] for name in PROJECTIONS))
         except (AttributeError, RuntimeError) as exc:
             fail(f"{type(exc).__name__}: {exc}", what="loading W_Q, W_K, W_V, W_O into the module",
                  call=f"{self.name}({d_model}, {n_heads})",
                  cause=f"the {self.convention} convention needs W_Q, W_K, W_V, W_O as "
                        f"nn.Linear(d_model, d_model) (or an adapter that says where they are)")
+        except BaseException as exc:  # noqa: BLE001 - the adapter's own code raised
+            if passes_through(exc):
+                raise
+            raise TargetRaised(exc, f"{self.name}.load(...)", user_traceback(exc)) from None
         return module
+
+    def _new_module(self, d_model, n_heads, dtype, device):
+        module = self.adapter.build(d_model, n_heads)
+        if hasattr(module, "to"):
+            module = module.to(device=device, dtype=dtype)
+            module.eval()
+        return module
+
+    def vjp(self, q, k, v, mask, grad_out):
+        try:
+            return super().vjp(q, k, v, mask, grad_out)
+        finally:  # .backward() also filled the parameters' .grad: leave the modules as they were
+            for module in self._modules.values():
+                for p in module.parameters() if isinstance(module, torch.nn.Module) else ():
+                    p.grad = None
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):
         with torch.no_grad():
@@ -260,7 +316,8 @@ class ModuleTarget(Target):
         call = "forward(x_q, x_kv, mask)" if mask is not None else "forward(x_q, x_kv)"
         out = self._observe("multihead", {"x_q": x_q, "x_kv": x_kv, "weights": weights, "n_heads": n_heads,
                                           "mask": mask},
-                            lambda: _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call),
+                            lambda: _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call,
+                                          self.state),
                             call, state_key=(x_q.shape[-1], n_heads, x_q.dtype, str(x_q.device)))
         return check_output(out, (x_q.shape[0], x_q.shape[-1]), call)
 
@@ -338,19 +395,51 @@ def detect_convention(obj) -> str:
         f"a factory (d_model, n_heads) -> nn.MultiheadAttention; adapter = a ModuleAdapter subclass.")
 
 
-def make_target(obj, name: str | None = None, convention: str | None = None) -> Target:
+def make_target(obj, name: str | None = None, convention: str | None = None, *, inference_only: bool = False,
+                state: StateGuard | None = None) -> Target:
+    """The adapter for ``obj``. ``inference_only``: see :class:`Target`; ``state``: a guard that already
+    holds what importing ``obj`` changed. An adapter class that raises when instantiated is a TargetLoadError."""
     name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
     convention = convention or detect_convention(obj)
     if convention not in CONVENTIONS:
             raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
+    kwargs = {"inference_only": inference_only}
     if convention == "function":
-        return FunctionTarget(obj, name)
-    if convention == "sdpa":
-        return SdpaTarget(obj, name)
-    if convention == "module":
-        return ModuleTarget(SeedAdapter(obj), name)
-    if convention == "torch-mha":
+        target = FunctionTarget(obj, name, **kwargs)
+    elif convention == "sdpa":
+        target = SdpaTarget(obj, name, **kwargs)
+    elif convention == "module":
+        target = ModuleTarget(SeedAdapter(obj), name, **kwargs)
+    elif convention == "torch-mha":
         adapter = TorchMhaAdapter.from_instance(obj, name) if isinstance(obj, torch.nn.Module) \
             else TorchMhaAdapter(obj, name=name)
-        return ModuleTarget(adapter, name, "torch-mha")
-    return ModuleTarget(obj() if inspect.isclass(obj) else obj, name, "adapter")
+        target = ModuleTarget(adapter, name, "torch-mha", **kwargs)
+    else:
+        target = ModuleTarget(_instance(obj, name, state or StateGuard()), name, "adapter", **kwargs)
+    target.state = state or target.state
+    return target
+
+
+def _instance(adapter, name: str, state: StateGuard):
+    if not inspect.isclass(adapter):
+        return adapter
+    try:
+        return _call(adapter, (), f"{name}()", state)
+    except (TargetRaised, Unsupported) as exc:
+        trace = f"\n\n{exc.user_traceback}" if isinstance(exc, TargetRaised) else ""
+        raise TargetLoadError(f"Cannot use target {name!r}: {exc}{trace}") from None
+
+
+def load(spec: str, convention: str | None = None, *, name: str | None = None, root: str | None = None,
+         inference_only: bool = False, verbose: bool = False) -> Target:
+    """Import the TARGET ``spec`` (``root``: see load_target) and wrap it. What the import printed is kept
+    (``target.output["import"]``); the global state it changed is restored and noted. Raises
+    TargetLoadError (or KitUsageError: no convention fits)."""
+    state = StateGuard()
+    with capture() as output:
+        with state.call(f"importing {spec}"):
+            obj = load_target(spec, root=root)
+        target = make_target(obj, name or spec, convention, inference_only=inference_only, state=state)
+    if output.summary():
+        target.output["import"] = output.summary(verbose)
+    return target

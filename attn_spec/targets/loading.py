@@ -10,6 +10,7 @@ import traceback
 from pathlib import Path
 
 from attn_spec.errors import TargetLoadError
+from attn_spec.targets.guard import passes_through
 
 FORMAT_HINT = "A TARGET looks like path/to/file.py:name or package.module:name."
 
@@ -78,7 +79,7 @@ def load_target(spec: str, root: str | None = None):
     except TargetLoadError:
         raise
     except BaseException as exc:  # the user's module raised (or exited) while importing
-        if isinstance(exc, KeyboardInterrupt):
+        if passes_through(exc):
             raise
         raise TargetLoadError(f"Cannot load target {spec!r}: importing {where!r} raised "
                               f"{type(exc).__name__}: {exc}\n\n{user_traceback(exc)}") from None

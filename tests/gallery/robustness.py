@@ -3,7 +3,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from attn_spec.targets.module_adapters import TorchMhaAdapter
 from gallery import buggy, correct
 from gallery.core import SeedMultiHead, seed_function
 
@@ -63,6 +65,19 @@ def grouped_query_attention(Q, K, V, mask=None):
     return out.flatten(-4, -3)  # [..., Hq, Tq, Dv]
 
 
+@correct()
+def reentrant_checkpoint(Q, K, V, mask=None):
+    """Activation checkpointing the old way: the backward recomputes the forward, and supports only
+    .backward() (torch.autograd.grad raises inside it)."""
+    return checkpoint(seed_function, Q, K, V, mask, use_reentrant=True)
+
+
+@correct("module")
+class ReentrantCheckpointModule(SeedMultiHead):
+    def forward(self, x_q, x_kv, mask=None):
+        return checkpoint(super().forward, x_q, x_kv, mask, use_reentrant=True)
+
+
 # ---------------------------------------------------------------- bugs: gradients
 
 
@@ -96,6 +111,51 @@ def backward_missing_scale(Q, K, V, mask=None):
 @buggy("gradients", mistake="values-detached", bug="V detached: no gradient reaches the values")
 def detached_values(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V.detach()
+
+
+@buggy("gradients", bug="computed under torch.no_grad() (copied from an inference script): it cannot be trained")
+def computed_under_no_grad(Q, K, V, mask=None):
+    with torch.no_grad():
+        return seed_function(Q, K, V, mask)
+
+
+@buggy("gradients", bug="the output .detach()ed: it cannot be trained")
+def detached_output(Q, K, V, mask=None):
+    return seed_function(Q, K, V, mask).detach()
+
+
+@buggy("gradients", bug="computed on Q.data, K.data, V.data: autograd never sees the inputs")
+def computed_on_data(Q, K, V, mask=None):
+    return seed_function(Q.data, K.data, V.data, mask)
+
+
+@buggy("gradients", bug="a NumPy round trip (torch -> numpy -> torch): the graph is lost")
+def numpy_round_trip(Q, K, V, mask=None):
+    def as_numpy(t):
+        return t.detach().cpu().double().numpy()
+
+    scores = as_numpy(Q) @ as_numpy(K).swapaxes(-2, -1) / math.sqrt(Q.size(-1))  # [..., Tq, Tk]
+    if mask is not None:
+        scores[~as_numpy(mask.expand(scores.shape).double()).astype(bool)] = -math.inf
+    weights = torch.from_numpy(scores).softmax(dim=-1)
+    return (weights @ torch.from_numpy(as_numpy(V))).to(Q.dtype)
+
+
+@buggy("gradients", bug="forward under torch.no_grad() (copied from an inference script)", convention="module")
+class NoGradModule(SeedMultiHead):
+    def forward(self, x_q, x_kv, mask=None):
+        with torch.no_grad():
+            return super().forward(x_q, x_kv, mask)
+
+
+@buggy("gradients", bug="an adapter that runs nn.MultiheadAttention under torch.no_grad()", convention="adapter")
+class NoGradMhaAdapter(TorchMhaAdapter):
+    def __init__(self):
+        super().__init__(torch.nn.MultiheadAttention)
+
+    def forward(self, module, x_q, x_kv, mask):
+        with torch.no_grad():
+            return super().forward(module, x_q, x_kv, mask)
 
 
 class _PaddedBackward(_Attention):

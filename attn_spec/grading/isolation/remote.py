@@ -19,7 +19,7 @@ import torch
 
 from attn_spec.checking.assertions import fail
 from attn_spec.targets.conventions import Target, attend_shape, check_output
-from attn_spec.errors import IsolationError, TargetRaised, Unsupported
+from attn_spec.errors import IsolationError, KitSignal, TargetRaised, Unsupported
 from attn_spec.grading.isolation import wire, zygote
 from attn_spec.grading.isolation.wire import BROKEN
 
@@ -31,7 +31,7 @@ CRASH_SIGNALS = {signal.SIGSEGV: "a segmentation fault", signal.SIGBUS: "a bus e
 BAD_OUTPUT_CAUSE = "return the output itself: one plain torch.Tensor (not a subclass, list, tuple or other object)"
 
 
-class Stopped(BaseException):
+class Stopped(KitSignal):
     """Grading this submission stops: its process timed out, died, or sent something that is not data.
 
     A BaseException on purpose: it must pass through the property's body and Hypothesis (which

@@ -27,7 +27,7 @@ import torch
 
 from attn_spec.targets.conventions import FunctionTarget, ModuleTarget
 from attn_spec.targets.module_adapters import SeedAdapter
-from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.errors import Failure, KitSignal, TargetRaised, Unsupported
 from attn_spec.grading.isolation import wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
@@ -38,7 +38,7 @@ TEXT_LIMIT = 8000  # characters of a message or traceback sent back
 CLONE_NEWNET, PR_SET_NO_NEW_PRIVS = 0x40000000, 38
 
 
-class BadOutput(BaseException):
+class BadOutput(KitSignal):
     """The submission returned something other than a plain tensor (BaseException: not a user error)."""
 
 
@@ -232,6 +232,8 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict, hits
         outputs = list(result) if isinstance(result, tuple) else [result]
         reply = {"ok": True, "result": [wire.pack(_plain(t, method).detach(), reply_tensors) for t in outputs]}
     except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are re-raised below
+        if isinstance(exc, TargetRaised) and isinstance(exc.exc, SystemExit):
+            raise exc.exc from None  # the submission exits: its process ends, and that is its outcome
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
             raise
         try:
