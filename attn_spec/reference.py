@@ -9,6 +9,9 @@ Conventions pinned here (a target's own choices are probed and reported, not ass
 - bool mask: True = may attend; a float mask is added to the scaled scores (it is not scaled);
 - causal: query i sees key j when j <= i (top-left), or j <= i + Tk - Tq (bottom-right);
 - a row with no allowed key gets all-zero weights, hence a zero output row.
+
+It is differentiable (in float64, on the CPU; gradients flow back to the inputs' dtype and
+device), so the reference is itself a conforming target, ``gradients`` included.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment=
     q [..., Tq, Dk], k [..., Tk, Dk], v [..., Tk, Dv]; mask bool or float, broadcastable
     to [..., Tq, Tk]. Leading dims broadcast like matmul.
     """
-    q, k, v = (t.detach().to("cpu", F64) for t in (q, k, v))
+    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     scores = scale * (q @ k.transpose(-2, -1))  # [..., Tq, Dk] x [..., Dk, Tk] -> [..., Tq, Tk]
     allowed = torch.ones_like(scores, dtype=torch.bool)  # [..., Tq, Tk]
@@ -47,6 +50,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment=
         allowed = allowed & causal_mask(*scores.shape[-2:], alignment=causal_alignment)
     scores = scores.masked_fill(~allowed, -math.inf)
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., Tq, 1] rows with no key
+    scores = scores.masked_fill(empty, 0.0)  # not softmax(-inf, ..., -inf) = NaN: its gradient would be NaN too
     weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)  # [..., Tq, Tk]
     out = weights @ v  # [..., Tq, Tk] x [..., Tk, Dv] -> [..., Tq, Dv]
     return out, weights
@@ -58,7 +62,7 @@ def multihead(x_q, x_kv, W_Q, W_K, W_V, W_O, n_heads, mask=None):
     x_q [Tq, D], x_kv [Tk, D]; each W is an ``nn.Linear`` weight [D, D] (y = x W^T);
     mask broadcastable to [H, Tq, Tk]. Head h uses columns h*Dh:(h+1)*Dh, Dh = D / H.
     """
-    x_q, x_kv, W_Q, W_K, W_V, W_O = (t.detach().to("cpu", F64) for t in (x_q, x_kv, W_Q, W_K, W_V, W_O))
+    x_q, x_kv, W_Q, W_K, W_V, W_O = (t.to("cpu", F64) for t in (x_q, x_kv, W_Q, W_K, W_V, W_O))
     d_model = x_q.shape[-1]
     d_head = d_model // n_heads
 

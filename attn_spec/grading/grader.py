@@ -232,7 +232,7 @@ class Grader:
 
 
 class _SeedModule(reference.MultiHeadAttention):
-    """The seed's module computed in the inputs' dtype, with autograd (the reference's forward detaches)."""
+    """The seed's module computed in the inputs' dtype (the reference's forward computes in float64)."""
 
     def forward(self, x_q, x_kv, mask=None):
         weights = {name: getattr(self, name).weight for name in PROJECTIONS}
