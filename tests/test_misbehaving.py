@@ -70,7 +70,7 @@ def test_an_exception_in_the_backward_is_the_targets_with_its_traceback(together
                                           ("raises_base_exception", "Abort: stop everything"),
                                           ("raises_keyboard_interrupt", "KeyboardInterrupt"),
                                           ("raises_generator_exit", "GeneratorExit"),
-                                          ("returns_generator", "returned a generator")])
+                                          ("returns_generator", "the output: a generator, expected a torch.Tensor")])
 def test_base_exceptions_and_generators_are_failures_of_the_target(together, name, raised):
     report = together[name]
     assert not report.conforms
