@@ -87,7 +87,7 @@ def run(args) -> int:
     not_loaded = []  # a target that cannot be loaded (or fits no convention) does not stop the others
     targets = api.load_targets(settings, not_loaded=not_loaded, verbose=args.verbose)
     for missing in not_loaded:
-        print(f"attn-spec: {missing['error']}", file=sys.stderr)
+        print(f"attn-spec: {missing['message']}", file=sys.stderr)
     if not targets:
         return EXIT_USAGE
     progress = _Progress(sys.stderr.isatty())
