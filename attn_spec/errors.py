@@ -2,7 +2,8 @@
 
     AttnSpecError
     ├── Failure (also an AssertionError)   a property does not hold on the current case
-    │   └── TargetRaised                   ... because the target raised on a valid input
+    │   ├── TargetRaised                   ... because the target raised on a valid input
+    │   └── NotDifferentiable              ... because its output carries no gradient (it is trained)
     ├── Unsupported                        the target declared or lacks what a property needs
     ├── KitUsageError (also a ValueError)  the caller asked for something impossible
     ├── TargetLoadError                    a TARGET path could not be loaded
@@ -51,6 +52,10 @@ class TargetRaised(Failure):
         super().__init__(f"{call} raised {type(exc).__name__}: {text}",
                          cause="the attention under test crashed on a valid input; see its traceback")
         self.exc, self.user_traceback = exc, user_traceback
+
+
+class NotDifferentiable(Failure):
+    """The output of a target that is trained (function, module, adapter) carries no gradient."""
 
 
 class Unsupported(AttnSpecError):

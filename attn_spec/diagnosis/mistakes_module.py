@@ -142,6 +142,15 @@ def values_detached(q, k, v, mask, scale):
     return correct(q, k, v.detach(), mask, scale)
 
 
+@mistake("output-detached", family="gradients", caught_by=("gradients",),
+         sentence="the output is detached from autograd (computed under torch.no_grad(), through .detach() or "
+                  ".data, or by a NumPy round trip): the attention cannot be trained",
+         fix="compute it with torch operations on Q, K, V outside no_grad; an inference kernel says so with "
+             "--inference-only")
+def output_detached(q, k, v, mask, scale):
+    return correct(q, k, v, mask, scale).detach()
+
+
 # ---------------------------------------------------------------- randomness at inference
 
 

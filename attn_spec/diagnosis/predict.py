@@ -15,6 +15,7 @@ import torch
 from attn_spec import reference
 from attn_spec.diagnosis.model import F64, Mistake, collecting_free, correct, lift
 from attn_spec.diagnosis.record import Call, snapshot
+from attn_spec.errors import NotDifferentiable
 
 CORRECT = Mistake("correct", correct, "attend", "the correct formula", "", "")
 
@@ -109,8 +110,10 @@ def _run(m: Mistake, call: Call, params: dict, state: dict):
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
         out = m.fn(*leaves, mask, scale, **args, **params)
-        if not isinstance(out, torch.Tensor) or not out.requires_grad:
-            return None  # not differentiable: the target's vjp says so itself (a skip), nothing to compare
+        if not isinstance(out, torch.Tensor):
+            return None
+        if not out.requires_grad:  # what the vjp of a target that is trained raises (Target._not_differentiable)
+            raise NotDifferentiable("the output is not differentiable in Q, K, V")
         grads = torch.autograd.grad((out * g.to(out.dtype)).sum(), leaves, allow_unused=True)
     grads = [torch.zeros_like(t) if d is None else d for d, t in zip(grads, leaves)]
     return (out.detach(), *grads), x

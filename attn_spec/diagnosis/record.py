@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn_spec.errors import TargetRaised, Unsupported
+from attn_spec.errors import NotDifferentiable, TargetRaised, Unsupported
 
 MAX_ELEMENTS = 1 << 21  # a call with more input elements is kept without its tensors (not replayed)
 
@@ -95,6 +95,9 @@ class Recorder:
             raise
         except TargetRaised as exc:
             call.error = (type(exc.exc).__name__, str(exc.exc), raised_at(exc.exc))
+            raise
+        except NotDifferentiable:  # a detached output: a model that detaches predicts the same
+            call.error = (NotDifferentiable.__name__, "", "?")
             raise
         finally:
             if kept:

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, NotDifferentiable
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import DTYPES
-from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.errors import Failure, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.errors import KitUsageError
 
 CAPABILITIES = ("mask", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",

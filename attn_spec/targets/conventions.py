@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_spec.checking.assertions import fail, message
-from attn_spec.errors import Failure, KitUsageError, TargetLoadError, TargetRaised, Unsupported
+from attn_spec.errors import KitUsageError, NotDifferentiable, TargetLoadError, TargetRaised, Unsupported
 from attn_spec.targets.capture import capture
 from attn_spec.targets.detached import how_detached
 from attn_spec.targets.guard import StateGuard, passes_through
@@ -71,10 +71,6 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
         fail(f"{list(out.shape)}", what="the output's shape", expected=f"{list(shape)}", call=call,
              cause="the output must be [..., n_q, d_v]: one row per query, as wide as V")
     return out
-
-
-class NotDifferentiable(Failure):
-    """The output of a target that is to be trained carries no gradient (see ``Target.vjp``)."""
 
 
 class Target:

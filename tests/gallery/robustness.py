@@ -113,42 +113,41 @@ def detached_values(Q, K, V, mask=None):
     return torch.softmax(_masked(_scores(Q, K), mask), dim=-1) @ V.detach()
 
 
-@buggy("gradients", bug="computed under torch.no_grad() (copied from an inference script): it cannot be trained")
+@buggy("gradients", bug="computed under torch.no_grad() (copied from an inference script): it cannot be trained",
+       mistake="output-detached")
 def computed_under_no_grad(Q, K, V, mask=None):
     with torch.no_grad():
         return seed_function(Q, K, V, mask)
 
 
-@buggy("gradients", bug="the output .detach()ed: it cannot be trained")
+@buggy("gradients", bug="the output .detach()ed: it cannot be trained", mistake="output-detached")
 def detached_output(Q, K, V, mask=None):
     return seed_function(Q, K, V, mask).detach()
 
 
-@buggy("gradients", bug="computed on Q.data, K.data, V.data: autograd never sees the inputs")
+@buggy("gradients", bug="computed on Q.data, K.data, V.data: autograd never sees the inputs",
+       mistake="output-detached")
 def computed_on_data(Q, K, V, mask=None):
     return seed_function(Q.data, K.data, V.data, mask)
 
 
-@buggy("gradients", bug="a NumPy round trip (torch -> numpy -> torch): the graph is lost")
+@buggy("gradients", bug="a NumPy round trip (torch -> numpy -> torch): the graph is lost", mistake="output-detached")
 def numpy_round_trip(Q, K, V, mask=None):
-    def as_numpy(t):
-        return t.detach().cpu().double().numpy()
-
-    scores = as_numpy(Q) @ as_numpy(K).swapaxes(-2, -1) / math.sqrt(Q.size(-1))  # [..., Tq, Tk]
-    if mask is not None:
-        scores[~as_numpy(mask.expand(scores.shape).double()).astype(bool)] = -math.inf
-    weights = torch.from_numpy(scores).softmax(dim=-1)
-    return (weights @ torch.from_numpy(as_numpy(V))).to(Q.dtype)
+    out = seed_function(Q, K, V, mask)  # [..., Tq, Dv]
+    as_numpy = out.detach().cpu().double().numpy()  # e.g. to post-process with NumPy
+    return torch.from_numpy(as_numpy).to(device=Q.device, dtype=Q.dtype)
 
 
-@buggy("gradients", bug="forward under torch.no_grad() (copied from an inference script)", convention="module")
+@buggy("gradients", bug="forward under torch.no_grad() (copied from an inference script)", convention="module",
+       mistake="output-detached")
 class NoGradModule(SeedMultiHead):
     def forward(self, x_q, x_kv, mask=None):
         with torch.no_grad():
             return super().forward(x_q, x_kv, mask)
 
 
-@buggy("gradients", bug="an adapter that runs nn.MultiheadAttention under torch.no_grad()", convention="adapter")
+@buggy("gradients", bug="an adapter that runs nn.MultiheadAttention under torch.no_grad()", convention="adapter",
+       mistake="output-detached")
 class NoGradMhaAdapter(TorchMhaAdapter):
     def __init__(self):
         super().__init__(torch.nn.MultiheadAttention)
