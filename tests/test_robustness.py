@@ -22,10 +22,12 @@ def detached(Q, K, V, mask=None):
 
 
 def test_a_non_differentiable_target_fails_gradients_unless_declared_inference_only():
-    result = _only(detached, "gradients")
+    report = attn_spec.check(detached, profile="quick", seed=0, only=["gradients"])
+    result = report.targets[0].properties[0]
     assert result.status == "fail"
     assert "not differentiable" in result.message and "through .detach()" in result.message
-    assert "--inference-only" in result.cause
+    assert [d.mistake for d in report.targets[0].diagnoses] == ["output-detached"]
+    assert "--inference-only" in str(report)  # the way out, for an inference kernel
     result = _only(detached, "gradients", inference_only=True)
     assert result.status == "skip"
     assert result.message.startswith("declared an inference kernel") and ".detach()" in result.message
