@@ -13,7 +13,7 @@ from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import Property
 from attn_spec.checking.runner import check_target
-from attn_spec.errors import Failure, KitUsageError, TargetLoadError
+from attn_spec.errors import Failure, KitUsageError, TargetLoadError, Uninformative
 from attn_spec.properties import select
 from attn_spec.report import Report
 from attn_spec.report.ci import Expectations
@@ -161,6 +161,9 @@ def reproduce(property_id: str, target, case, *, convention=None) -> None:
         prop.fn(adapter, case)
     except Failure as failure:
         restate(failure, f"{property_id}: ", _diagnosed(property_id, adapter, case, failure))
+    except Uninformative as exc:
+        print(f"{property_id} checks nothing on {case.summary()}: {exc}")
+        return
     print(f"{property_id} holds on {case.summary()}")
 
 

@@ -5,6 +5,7 @@
     │   ├── TargetRaised                   ... because the target raised on a valid input
     │   └── NotDifferentiable              ... because its output carries no gradient (it is trained)
     ├── Unsupported                        the target declared or lacks what a property needs
+    ├── Uninformative                      the case does not make the property's relation bite
     ├── KitUsageError (also a ValueError)  the caller asked for something impossible
     ├── TargetLoadError                    a TARGET path could not be loaded
     └── IsolationError                     grading's process boundary failed (the machine's or the kit's fault)
@@ -31,14 +32,18 @@ class Failure(AttnSpecError, AssertionError):
 
     Raise it through :mod:`attn_spec.checking.assertions`, which words every failure in one grammar.
     ``message`` says what was measured and what was expected; ``cause`` is the likely bug in one
-    sentence; ``got``/``expected`` are small tensors to print side by side.
+    sentence; ``got``/``expected`` are small tensors to print side by side. ``vacuous``: the property
+    would have held only trivially (the output ignores its inputs); the report shows it blocked by
+    the root property, whose own failure names the problem.
     """
 
-    def __init__(self, message: str, *, cause: str = "", got=None, expected=None, labels=None, inputs=None):
+    def __init__(self, message: str, *, cause: str = "", got=None, expected=None, labels=None, inputs=None,
+                 vacuous: bool = False):
         super().__init__(message)
         self.message, self.cause, self.got, self.expected = message, cause, got, expected
         self.labels = labels  # (what got is, what expected is), e.g. ("weights read with V = identity", ...)
         self.inputs = inputs  # name -> tensor: the inputs of the call shown, when they are not the case's
+        self.vacuous = vacuous
 
 
 class TargetRaised(Failure):
@@ -68,6 +73,11 @@ class Unsupported(AttnSpecError):
     def __init__(self, message: str, *, total: bool = False):
         super().__init__(message)
         self.total = total
+
+
+class Uninformative(AttnSpecError):
+    """The case checks nothing for this property (a mask that masks no key, a single batch element, a
+    permutation of one token): the runner draws another case in its place."""
 
 
 class KitUsageError(AttnSpecError, ValueError):

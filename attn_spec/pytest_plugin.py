@@ -253,7 +253,8 @@ class PropertyItem(_AttnItem):
             named = c.named.setdefault(self.key, {})  # mistake id -> the first item that named it
             diagnosis = diagnose_one(c.targets[self.key], result, REGISTRY, shortlist=list(named))
             blockers = [b for b in self.prop.after if b in failed]
-            failed.add(self.prop.id)
+            if not result.vacuous:  # a property that held only trivially explains nothing else
+                failed.add(self.prop.id)
             note = (f"note: {blockers[0]} already failed on this target, and its failure explains this one: "
                     f"fix that first" if blockers else "")
             if diagnosis is not None and diagnosis.mistake and not diagnosis.guess:

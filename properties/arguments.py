@@ -11,6 +11,7 @@ from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.properties.informative import require_responsive
 
 SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch's tests use
 
@@ -34,6 +35,7 @@ def scale_argument(target, case):
     q, k, v, mask = case.tensors()
     s = SCALES[case.seed % len(SCALES)] or 1.0 / case.d_k
     got = target.attend(q, k, v, mask, scale=s)  # [..., Tq, Dv]
+    require_responsive(target, case)
     expected, _ = reference.attention(q, k, v, mask, scale=s)  # [..., Tq, Dv]
     allowed = budget(q, k, v, mask, expected, scale=s)
 
@@ -71,6 +73,7 @@ def is_causal(target, case):
     """
     q, k, v, _ = case.tensors()
     got = target.attend(q, k, v, None, is_causal=True)  # [..., Tq, Dv]
+    require_responsive(target, case)
     candidates = {}
     for alignment in ("top-left", "bottom-right"):
         mask = reference.causal_mask(case.n_q, case.n_kv, alignment=alignment, device=q.device)  # [Tq, Tk]

@@ -13,9 +13,10 @@ from attn_spec.checking import probes
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.assertions import assert_close, fail
-from attn_spec.errors import Failure, Unsupported
+from attn_spec.errors import Failure, Uninformative, Unsupported
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 from attn_spec.diagnosis.numbers import masked_share, name_scale, weight_factor
+from attn_spec.properties.informative import require_responsive
 
 
 def _ones_like_values(k):
@@ -37,6 +38,7 @@ def rows_sum_to_one(target, case):
     scale of V however many keys there are. Catches: softmax over the query axis (dim=-2),
     exp without normalising, normalising by the wrong sum, a missing softmax.
     """
+    require_responsive(target, case)
     q, k, _, mask = case.tensors()
     ones = _ones_like_values(k)
     sums = probes.row_sums(target, q, k, mask)  # [..., Tq]
@@ -96,6 +98,7 @@ def causal_mask(target, case):
     off by one (triu diagonal=0 masks the current token; row 0 then has no key), a mask
     applied after the softmax.
     """
+    require_responsive(target, case)
     q, k, v, mask = case.tensors()
     w = probes.weights(target, q, k, mask).double().cpu()  # [..., Tq, Tk]
     ref_w = reference.attention(q, k, v, mask)[1]  # [..., Tq, Tk]
@@ -151,11 +154,14 @@ def permutation_equivariance(target, case):
     transpose (tokens mixed), a hard-coded causal mask, position-dependent terms, cumulative
     sums over the key axis. Modules are checked through their own multi-head forward.
     """
+    require_responsive(target, case)
     gen = torch.Generator().manual_seed(case.seed)
     p, s = _shuffle(case.n_q, gen), _shuffle(case.n_kv, gen)
     moved = ("the output on permuted inputs", "the first output, permuted")
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
+        if case.n_q < 2 and (case.self_attention or case.n_kv < 2):
+            raise Uninformative("one token: no permutation moves anything")
         x_q, x_kv, weights, mask = case.tensors()
         ref = reference.multihead(x_q, x_kv, *weights.values(), case.n_heads, mask)[0]
         allowed = 2 * multihead_budget(x_q, x_kv, weights, case.n_heads, mask, ref)
@@ -221,6 +227,7 @@ def scale_sqrt_dk(target, case):
     softmax out of saturation at every width, so gradients do not vanish. Catches: a missing
     scale, 1/d_k, sqrt(d_model) for a per-head d_k, a scale applied twice, a hard-coded d_k.
     """
+    require_responsive(target, case)
     dtype, tol = (torch.float64, 1e-6) if case.dtype == "float64" else (torch.float32, 1e-3)
     if isinstance(case, MhaCase):
         d_k, n_heads = case.d_model // case.n_heads, case.n_heads

@@ -7,6 +7,7 @@ from attn_spec.checking.cases import Case, available_devices
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import Unsupported
 from attn_spec.checking.tolerance import budget
+from attn_spec.properties.informative import require_responsive
 
 
 @prop("devices-agree", family="devices",
@@ -29,6 +30,7 @@ def devices_agree(target, case):
         alone = available_devices() == ["cpu"]
         raise Unsupported("this machine has the CPU alone: no other device to agree with" if alone else
                           "only inputs on a non-CPU device are compared with the CPU", total=alone)
+    require_responsive(target, case)
     q, k, v, mask = case.tensors()
     on_device = target.attend(q, k, v, mask)  # [..., Tq, Dv]
     on_cpu = target.attend(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu())

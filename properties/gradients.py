@@ -18,6 +18,7 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads
 from attn_spec.checking.tolerance import max_error
+from attn_spec.properties.informative import require_responsive
 
 FD_DIRECTIONS, FD_EPS, FD_ATOL, FD_RTOL = 3, 1e-6, 1e-5, 1e-3  # finite differences, as torch.autograd.gradcheck
 VJP = "the backward of attention(Q, K, V, mask) with upstream gradient G"
@@ -49,6 +50,7 @@ def gradients(target, case):
     wrong backward (softmax backward, missing scale), V (or Q, K) detached, NaN gradients from
     unmasked padding, a backward that recomputes the weights without the mask.
     """
+    require_responsive(target, case)
     q, k, v, mask = case.tensors()
     grad_out = _grad_out(case)  # [..., Tq, Dv]
     expected = reference_grads(q, k, v, mask, grad_out)

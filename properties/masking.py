@@ -15,9 +15,10 @@ from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.errors import TargetRaised, Unsupported
+from attn_spec.errors import TargetRaised, Uninformative, Unsupported
 from attn_spec.checking.tolerance import budget, max_error
 from attn_spec.diagnosis.numbers import masked_share
+from attn_spec.properties.informative import require_responsive
 
 F64 = torch.float64
 
@@ -90,7 +91,10 @@ def mask_semantics(target, case):
     the max), a finite fill (-1e4) that large scores overwhelm, -1e9 that float16 cannot
     hold, an additive mask scaled with the scores.
     """
+    require_responsive(target, case)
     q, k, v, mask = case.tensors()
+    if mask is None or mask.all():
+        raise Uninformative("the mask masks no key")
     w = probes.weights(target, q, k, mask).detach().to("cpu", F64)  # [..., Tq, Tk]
     allowed = mask.cpu().expand(w.shape)  # [..., Tq, Tk]
     leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
@@ -190,8 +194,9 @@ def batch_independence(target, case):
     and sequence dims interleaved by a reshape (batch-first read as sequence-first), a max
     or sum over the whole tensor (x.max() without dim), ``.view`` on broadcast K/V.
     """
-    if not case.batch:
-        return  # nothing to compare: a case without batch dims has one element
+    require_responsive(target, case)
+    if math.prod(case.batch) < 2:
+        raise Uninformative("a single batch element: nothing to be independent of")
     q, k, v, mask = case.tensors()
     out = target.attend(q, k, v, mask)  # [..., Tq, Dv]
     allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])

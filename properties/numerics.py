@@ -15,6 +15,8 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.properties.masking import push_limit
 from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.errors import Uninformative
+from attn_spec.properties.informative import require_responsive
 
 F64 = torch.float64
 
@@ -49,6 +51,7 @@ def value_linearity(target, case):
     (QK-norm applied to V too), V divided by its max and never scaled back, an activation
     applied to V, weights that are not a convex combination.
     """
+    require_responsive(target, case)
     q, k, v1, mask = case.tensors()
     v2 = _second_values(case, v1)
     a, b = 2.0, -1.0
@@ -118,6 +121,7 @@ def key_shift_invariance(target, case):
     softmax of the scores. Catches: relu or sum normalisation instead of exp, L2-normalised
     keys, a stabilising max taken over the wrong axis.
     """
+    require_responsive(target, case)
     q, k, v, mask = case.tensors()
     gen = torch.Generator().manual_seed(case.seed + 2)
     sign = torch.randint(0, 2, (case.d_k,), generator=gen) * 2 - 1
@@ -126,6 +130,10 @@ def key_shift_invariance(target, case):
     room = push_limit(q.dtype) / (2 * max(q_sum, 1.0))  # the shift moves a raw score by at most push_limit
     size = min(2 * max(1.0, k64.abs().max().item()), room)
     shifted = (k64 + size * direction.to(k64.device)).to(k.dtype)  # [..., Tk, Dk]
+    moves = (q.double() @ direction.to(q.device)).abs()  # [..., Tq] how far the shift moves each row's scores
+    keys = torch.ones(case.n_q, case.n_kv, dtype=torch.bool) if mask is None else mask.cpu()
+    if not ((moves.cpu() > 0) & (keys.sum(dim=-1) >= 2)).any():
+        raise Uninformative("the shift moves the scores of no query that has two keys to weigh")
     ref, ref_shifted = reference.attention(q, k, v, mask)[0], reference.attention(q, shifted, v, mask)[0]
     allowed = budget(q, k, v, mask, ref) + budget(q, shifted, v, mask, ref_shifted) + max_error(ref_shifted, ref)
     before, after = target.attend(q, k, v, mask), target.attend(q, shifted, v, mask)  # [..., Tq, Dv]
@@ -217,6 +225,7 @@ def numerical_stability(target, case):
     backward pass. Catches: exp without subtracting the row max, a max over the whole
     tensor (x.max() without dim), scores clamped "for safety".
     """
+    require_responsive(target, case)
     q, k, v, mask = case.tensors()
     scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(case.d_k)  # [..., Tq, Tk]
     if mask is not None:

@@ -17,6 +17,7 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.properties.core import cross_or_self
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.properties.informative import require_responsive
 
 
 def _output(target, case):
@@ -60,6 +61,7 @@ def determinism(target, case):
     Catches: dropout left on at inference (F.dropout defaults to training=True), random
     tie-breaking noise, state carried between calls (a KV cache left on, a reused buffer).
     """
+    require_responsive(target, case)
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
     first = _output(target, case)
@@ -91,6 +93,7 @@ def inputs_unchanged(target, case):
     no error. Catches: Q.mul_(scale) or Q /= sqrt(d_k) to save memory, mask.logical_not_()
     to flip the polarity, K.transpose_() for K^T.
     """
+    require_responsive(target, case)
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
         x_q, x_kv, weights, mask = case.tensors()
@@ -143,6 +146,7 @@ def dtype_device(target, case):
     computed in float64 and returned as is, a buffer made with torch.zeros(shape) (default
     dtype float32, on the CPU).
     """
+    require_responsive(target, case)
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
     out = _output(target, case)
@@ -209,6 +213,7 @@ def non_contiguous(target, case):
     Catches: .view() on a non-contiguous tensor, kernels that index i * D + j from the data
     pointer (they read the transposed values, or the NaN around a slice).
     """
+    require_responsive(target, case)
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
         weights = case.tensors()[2]
@@ -279,6 +284,7 @@ def long_sequences(target, case):
     loop that drops keys beyond it, exp without max subtraction (the float16 sum of
     thousands of exponentials overflows), a head-dim limit that ignores dims beyond a tile.
     """
+    require_responsive(target, case)
     got = target.attend(*_long_inputs(case))  # [Tq, Dv]
     q, k, v, mask = _long_inputs(case)  # the kit's own copies: the target may write into its inputs
     expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
@@ -350,6 +356,7 @@ def gqa_equivalence(target, case):
     except TargetRaised as exc:
         raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
                           f"{exc.message}", total=True) from None
+    require_responsive(target, case)
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
     repeated = [t.repeat_interleave(group, dim=-3) for t in (k, v)]  # [..., Hq, Tk, D]
     expected, _ = reference.attention(q, *repeated, mask)

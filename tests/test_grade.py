@@ -81,7 +81,7 @@ def test_the_run_finishes_and_grades_everyone(graded):
     assert graded["run"].returncode == 0, graded["run"].stderr
     names = {p.stem if p.is_file() else p.name for p in graded["subs"].iterdir() if not p.name.startswith((".", "_"))}
     assert set(graded["by"]) == names
-    assert "graded 29 submission(s)" in graded["run"].stdout
+    assert "graded 30 submission(s)" in graded["run"].stdout
 
 
 @pytest.mark.parametrize("name", CORRECT)
@@ -117,6 +117,16 @@ def test_wrong_attention_loses_the_properties_it_breaks(graded, name, failing, p
     if passing:
         assert statuses[("function", passing)] == "pass"
     assert sub["score"] < sub["max_score"]
+
+
+@pytest.mark.parametrize("name", ["patches_kit", "returns_values"])  # zeros (in its own process), V as it is
+def test_an_output_that_ignores_its_inputs_scores_at_most_a_tenth(graded, name):
+    sub = graded["by"][name]
+    assert sub["outcome"] == "graded" and sub["max_score"] > 0
+    assert sub["score"] <= 0.1 * sub["max_score"], [p["id"] for p in sub["properties"] if p["points"]]
+    assert not _points(sub, status="pass", convention="function")
+    blocked = [p for p in sub["properties"] if p["vacuous"]]
+    assert blocked and all(p["blocked_by"] == "matches-reference" for p in blocked)
 
 
 @pytest.mark.parametrize("name, outcome, words", [

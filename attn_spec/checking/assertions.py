@@ -45,14 +45,15 @@ def message(measured: str, *, what: str = "", expected: str = "", budget=None, c
 
 
 def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call: str = "", cause: Cause = "",
-         got=None, expected_tensor=None, labels=None, inputs=None) -> NoReturn:
+         got=None, expected_tensor=None, labels=None, inputs=None, vacuous: bool = False) -> NoReturn:
     """Raise the Failure: the property does not hold on this case. ``labels``: what the shown tensors are,
     (got, expected); by default the result of ``call`` and the float64 reference. ``inputs``: the tensors
-    ``call`` was given, when they are not the case's own (a probe's)."""
+    ``call`` was given, when they are not the case's own (a probe's). ``vacuous``: the property would
+    hold only trivially (the output ignores its inputs)."""
     labels = labels or (f"the result of {call}" if call else "the target's result", "the float64 reference")
     raise Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
                   cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
-                  inputs=inputs)
+                  inputs=inputs, vacuous=vacuous)
 
 
 def _check_budget(budget: float, what: str) -> None:

@@ -39,10 +39,28 @@ def mistakes(q, k, v, mask):
                 _softmax_attention(q, k, v, ~mask, scale=s)
 
 
+def trivial_outputs(q, k, v):
+    """(description, output) for outputs that are no attention at all, in float64."""
+    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
+    shape = torch.broadcast_shapes(q.shape[:-1], v.shape[:-2] + (1,)) + v.shape[-1:]  # [..., Tq, Dv]
+    yield "the output is all zeros: no attention is computed", torch.zeros(shape, dtype=F64)
+    if v.shape[-2] == q.shape[-2]:
+        yield "the output is V itself: the values are returned without attention over the keys", v.expand(shape)
+    if q.shape[-1] == v.shape[-1]:
+        yield "the output is Q itself: the queries are returned as they are", q.expand(shape)
+    yield ("the output is the mean of V over the keys: the weights are uniform, Q, K and the mask are ignored "
+           "(scores multiplied by 0?)", v.mean(dim=-2, keepdim=True).expand(shape))
+
+
 def diagnose_mismatch(got, q, k, v, mask, budget: float) -> str:
     """One sentence naming the mistake that reproduces ``got``, or '' if none does."""
     if not torch.isfinite(got).all():
         return "the output has NaN or inf where the reference is finite"
+    for description, output in trivial_outputs(q, k, v):
+        if output.shape == got.shape and max_error(got, output) <= budget:
+            return description
+    if got.numel() > 1 and bool((got == got.flatten()[0]).all()):
+        return f"the output is the constant {got.flatten()[0].item():.4g} everywhere: it ignores its inputs"
     for description, output in mistakes(q, k, v, mask):
         if max_error(got, output) <= max(budget, 1e-3 * max(1.0, output.abs().max().item())):
             return description

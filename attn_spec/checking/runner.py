@@ -22,7 +22,7 @@ from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.targets.capabilities import parse_capabilities, probe_capabilities
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
-from attn_spec.errors import Failure, TargetRaised, Unsupported
+from attn_spec.errors import Failure, TargetRaised, Uninformative, Unsupported
 from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
 from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
 from attn_spec.checking.strategies import get_profile
@@ -122,6 +122,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.examples += 1
         try:
             prop.fn(target, case)
+        except Uninformative:  # the case checks nothing for this property: draw another
+            reject()
         except Unsupported as exc:  # not a failure: this input is outside what the target declares
             unsupported.append(exc)
             if not exc.total:
@@ -147,6 +149,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
             hypothesis_seed(seed)(test)()
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
+        result.vacuous = failure.vacuous
         result.counterexample = _counterexample(prop, failure, failure.attn_case, target, seed)
         result.case = failure.attn_case
     except Unsatisfiable:
@@ -199,14 +202,19 @@ def _measure_flakiness(result: PropertyResult, exc: Flaky, prop: Property, targe
         result.counterexample = _counterexample(prop, failure, case, target, seed)
 
 
+ROOT = "matches-reference"  # what a vacuous failure is blocked by: it names what the output is
+
+
 def mark_blocked(results) -> None:
     """A failure explained by an earlier property's failure is reported as blocked by it.
 
-    ``results``: anything with ``id``, ``status`` and ``blocked_by`` (also the grader's rows)."""
-    failed = {r.id for r in results if r.status == "fail"}
+    A vacuous failure (the property would have held only because the output ignores its inputs) is
+    blocked by the root, ``matches-reference``, or else by its own blockers; it never blocks another.
+    ``results``: anything with ``id``, ``status``, ``vacuous`` and ``blocked_by`` (also the grader's rows)."""
+    failed = {r.id for r in results if r.status == "fail" and not r.vacuous}
     for r in results:
         if r.status == "fail":
-            blockers = [b for b in REGISTRY[r.id].after if b in failed]
+            blockers = [b for b in ((ROOT,) if r.vacuous else ()) + REGISTRY[r.id].after if b in failed and b != r.id]
             r.blocked_by = blockers[0] if blockers else None
 
 

@@ -22,6 +22,13 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     """The roots of the failing ``results`` of ``target`` (``registry``: property id -> Property)."""
     order = [r.id for r in results]
     failures = [r for r in results if r.status == "fail" and r.id in registry]
+    # A vacuous failure (the property would have held only because the output ignores its inputs) is
+    # no evidence of a mistake of its own: it joins the root of the others (matches-reference's first).
+    vacuous = [r.id for r in failures if getattr(r, "vacuous", False)]
+    if len(vacuous) < len(failures):
+        failures = [r for r in failures if r.id not in vacuous]
+    else:
+        vacuous = []
     evidences, shortlist = {}, []
     for r in failures:
         case = case_of(r)
@@ -29,8 +36,12 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
             evidences[r.id] = gather(r.id, registry[r.id].fn, target, case, shortlist=shortlist)
             shortlist += [f.mistake.id for f in evidences[r.id].fits if f.mistake.id not in shortlist]
     after = {pid: registry[pid].after for pid in registry}
-    return group([r.id for r in failures], evidences, order=order, after=after, target=target,
-                 mistakes=list(MISTAKES.values()))
+    roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
+                  mistakes=list(MISTAKES.values()))
+    if vacuous and roots:
+        home = next((d for d in roots if "matches-reference" in d.explains), roots[0])
+        home.explains = sorted(home.explains + vacuous, key=order.index)
+    return roots
 
 
 def diagnose_one(target, result, registry, *, shortlist=()) -> Diagnosis | None:

@@ -46,6 +46,7 @@ class PropertyGrade:
     message: str = ""
     cause: str = ""
     blocked_by: str | None = None
+    vacuous: bool = False
     counterexample: dict | None = None
     examples: int = 0
     seconds: float = 0.0
@@ -151,6 +152,7 @@ class Grader:
                             statement=prop.statement, message=message)
         if result is not None:
             row.message, row.cause, row.counterexample = result.message, result.cause, result.counterexample
+            row.vacuous = result.vacuous
             row.examples, row.seconds = result.examples, round(result.seconds, 3)
         return row
 

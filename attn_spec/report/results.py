@@ -18,6 +18,7 @@ class PropertyResult:
     examples: int = 0
     seconds: float = 0.0
     blocked_by: str | None = None
+    vacuous: bool = False  # it would have held only trivially: the output ignores its inputs (see properties.informative)
     expected: bool = False  # listed in an expectations file (--expect): does not fail the gate
     found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
     case: object = field(default=None, repr=False, compare=False)  # the minimal failing case (not serialised)
@@ -25,7 +26,7 @@ class PropertyResult:
 
     def to_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
-                "blocked_by": self.blocked_by, "expected": self.expected, "counterexample": self.counterexample,
+                "blocked_by": self.blocked_by, "vacuous": self.vacuous, "expected": self.expected, "counterexample": self.counterexample,
                 "examples": self.examples, "seconds": round(self.seconds, 4),
                 "found_after_calls": self.found_after_calls, "output": self.output}
 

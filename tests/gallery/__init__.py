@@ -7,6 +7,10 @@
   alarms (failures on correct variants) are printed at the end of the test run.
   Each also declares its ``mistake``: the id of the mistake model (``attn-spec list --mistakes``)
   that the kit's diagnosis must name as the one root of its failures.
+- ``TRIVIAL``: outputs that ignore their inputs (zeros, V, the mean of V, ...). No property may
+  pass on them: each fails at one root (``matches-reference``, or ``determinism`` for random
+  numbers), every other property as vacuous, explained by it. They
+  are also in ``BUGGY`` (caught by ``matches-reference``), so they count in the kill count.
 
 Each module of this package registers its entries with ``@correct`` and ``@buggy``.
 """
@@ -30,6 +34,7 @@ class Entry:
 
 CORRECT: list[Entry] = []
 BUGGY: list[Entry] = []
+TRIVIAL: list[Entry] = []
 
 
 def correct(convention: str = "function", name: str | None = None):
@@ -46,4 +51,13 @@ def buggy(*catches: str, bug: str, mistake: str = "", convention: str = "functio
     return register
 
 
-from gallery import core, masking, robustness  # noqa: E402,F401  - registers the entries
+def trivial(*, bug: str, mistake: str = ""):
+    def register(obj):
+        entry = Entry(obj.__name__, obj, "function", ("matches-reference",), bug, mistake)
+        TRIVIAL.append(entry)
+        BUGGY.append(entry)
+        return obj
+    return register
+
+
+from gallery import core, masking, robustness, trivial_targets  # noqa: E402,F401  - registers the entries

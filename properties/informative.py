@@ -1,0 +1,142 @@
+"""When a check is informative: an output that ignores its inputs satisfies every relation trivially.
+
+An "attention" that returns zeros permutes like attention, ignores masked keys, is deterministic
+and keeps the inputs' dtype: every metamorphic property would pass on it. So every property but
+the root (``matches-reference``, which compares with the reference itself) first asks
+:func:`require_responsive`: does the target's output depend on Q, K and V (x, for a multi-head
+module's own forward) as attention's does? If not, the property fails as *vacuous*, and the
+report shows it blocked by the root, whose failure names what the output is. Each property also
+draws or builds only cases on which its relation bites (a permutation that is not the identity, a
+mask that masks a key, two batch elements) and calls the others :class:`~attn_spec.errors.Uninformative`,
+which makes the runner draw another case.
+
+The probe is the same for every property: small square inputs (so that an output that is V or Q
+has the right shape), once as they are, once again, and once with each of Q, K, V replaced by a
+fresh draw, on the case's device, in its dtype (float32 for float16 and bfloat16 cases when the
+target takes it: their budgets are too wide for the probe to tell). A correct attention's output
+moves as the reference's does, by far more than the budget; an output that moves by no more than
+the budget ignores that input. An output that varies from call to call (dropout left on, random
+numbers) is judged by its mean over several calls, within six standard errors. The verdict is kept per target, kind of call, dtype
+and device: the probe runs once, and every case of a run gets the same answer.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from attn_spec import reference
+from attn_spec.checking.assertions import fail
+from attn_spec.checking.cases import MhaCase
+from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.errors import Failure, Unsupported
+
+SIZE = 4  # the probe's lengths and widths
+TRIVIALLY = ", so this property would hold only trivially"
+NOISY_CALLS = 32  # calls averaged per input for a target whose output varies from call to call
+SEED = 20261130
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(multihead, dtype, device): failure}
+
+
+def require_responsive(target, case) -> None:
+    """Fail, as vacuous, if the target's output ignores Q, K or V (x for a multi-head module's forward)."""
+    verdicts = _VERDICTS.setdefault(target, {})
+    key = (isinstance(case, MhaCase), case.dtype, case.device)
+    if key not in verdicts:
+        verdicts[key] = _probe(target, case)
+    if verdicts[key] is not None:
+        fail(**verdicts[key], vacuous=True)
+
+
+def ignored_inputs(target, case) -> str:
+    """The sentence saying which inputs the target's output ignores, or '' if it responds to them all."""
+    try:
+        require_responsive(target, case)
+    except Failure as failure:
+        return failure.cause.removesuffix(TRIVIALLY)
+    return ""
+
+
+def _draws(case, seed, *shapes):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(case.device, case.torch_dtype)
+            for shape in shapes]
+
+
+def _probe(target, case) -> dict | None:
+    """The keywords of the vacuous failure if the output ignores an input; None if it responds to all."""
+    probe = _probe_module if isinstance(case, MhaCase) else _probe_function
+    for dtype in dict.fromkeys(("float32" if case.dtype in ("float16", "bfloat16") else case.dtype, case.dtype)):
+        try:
+            return probe(target, case.replace(dtype=dtype))
+        except (Unsupported, Failure):
+            continue  # outside what the target handles
+    return None  # the probe cannot tell: the property's own checks judge the target
+
+
+def _varies(first, again) -> bool:
+    """Two calls on the same inputs give different outputs (dropout, random numbers)."""
+    return not torch.equal(first.detach().cpu(), again.detach().cpu())
+
+
+def _sampled(run, noisy: bool):
+    """(mean, standard error of the mean) of run()'s output, in float64 on the CPU, entry by entry:
+    over NOISY_CALLS calls when its output varies from call to call, else one call and 0."""
+    outs = torch.stack([run().detach().to("cpu", torch.float64) for _ in range(NOISY_CALLS if noisy else 1)])
+    return outs.mean(dim=0), (outs.std(dim=0) / NOISY_CALLS ** 0.5 if noisy else torch.zeros_like(outs[0]))
+
+
+def _probe_function(target, case) -> dict | None:
+    q, k, v, *fresh = _draws(case, SEED, *[(SIZE, SIZE)] * 6)  # [T, D] each
+    v, fresh[2] = 8 * v, 8 * fresh[2]  # values far apart: replacing V moves the output far beyond any noise
+    noisy = _varies(target.attend(q, k, v), target.attend(q, k, v))
+    base, ref = _sampled(lambda: target.attend(q, k, v), noisy), reference.attention(q, k, v)[0]
+    changes = []
+    for i, name in enumerate("QKV"):
+        args = [q, k, v]
+        args[i] = fresh[i]
+        moved, ref_moved = _sampled(lambda: target.attend(*args), noisy), reference.attention(*args)[0]
+        allowed = max(budget(q, k, v, None, ref), budget(*args, None, ref_moved))
+        changes.append((name, moved, base, ref_moved, ref, allowed))
+    return _verdict(changes, noisy, "attention(Q, K, V)")
+
+
+def _probe_module(target, case) -> dict | None:
+    weights = case.tensors()[2]
+    x, fresh = _draws(case, SEED, (SIZE, case.d_model), (SIZE, case.d_model))  # [T, D]
+    h, w = case.n_heads, list(weights.values())
+
+    def run(inputs):
+        return lambda: target.multihead(inputs, inputs, weights, h)
+    noisy = _varies(run(x)(), run(x)())
+    base, moved = _sampled(run(x), noisy), _sampled(run(fresh), noisy)
+    ref, ref_moved = reference.multihead(x, x, *w, h)[0], reference.multihead(fresh, fresh, *w, h)[0]
+    allowed = max(multihead_budget(x, x, weights, h, None, ref), multihead_budget(fresh, fresh, weights, h, None,
+                                                                                   ref_moved))
+    return _verdict([("x", moved, base, ref_moved, ref, allowed)], noisy, "forward(x, x)")
+
+
+def _verdict(changes, noisy: bool, call: str) -> dict | None:
+    """changes: (input, (mean, s.e.) of the output with it replaced, the same as it is, the reference's two, budget).
+
+    Entry by entry, where the reference moves by more than 4 (budget + 6 s.e.), a correct attention
+    moves by more than budget + 6 s.e.; an input is ignored if the output moves by no more than that
+    on every such entry (and there is one). A deterministic target has s.e. 0: its output is compared
+    as it is; a noisy one through its mean, which follows the inputs for dropout, not for random numbers."""
+    ignored = []
+    for name, (moved, se_moved), (base, se_base), ref_moved, ref, allowed in changes:
+        slack = allowed + 6 * (se_moved.square() + se_base.square()).sqrt()  # [T, D]
+        telling = (ref_moved - ref).abs() > 4 * slack  # entries where a correct attention must move
+        if telling.any() and bool(((moved - base).abs() <= slack)[telling].all()):
+            ignored.append((name, moved, base, ref_moved, ref, slack[telling].max().item()))
+    if not ignored:
+        return None
+    names = " and ".join(c[0] for c in ignored)
+    cause = (f"the output varies from call to call, and its mean over {NOISY_CALLS} calls does not depend on {names}: "
+             f"random numbers?" if noisy else
+             f"the output does not depend on {names} (zeros, a constant, or an input returned as it is?)")
+    name, moved, base, ref_moved, ref, slack = ignored[0]
+    return dict(measured=f"moved by {max_error(moved, base):.3g} when {name} was replaced by a fresh draw",
+                what="the output" + (f" (mean of {NOISY_CALLS} calls)" if noisy else ""),
+                expected=f"a move like the reference's, {max_error(ref_moved, ref):.3g}", budget=slack,
+                call=f"{call}, then with {name} replaced", cause=cause + TRIVIALLY, got=moved, expected_tensor=ref_moved)

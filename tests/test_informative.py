@@ -1,0 +1,134 @@
+"""No vacuous pass: a property holds only if its relation bit on the case and the output depends on the inputs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn_spec
+from attn_spec import properties, reference
+from attn_spec.checking.cases import Case, MhaCase
+from attn_spec.checking.diagnose import diagnose_mismatch
+from attn_spec.checking.runner import mark_blocked
+from attn_spec.errors import Failure, Uninformative
+from attn_spec.properties.informative import ignored_inputs, require_responsive
+from attn_spec.report import PropertyResult
+from attn_spec.targets.conventions import make_target
+
+
+def zeros(Q, K, V, mask=None):
+    return torch.zeros(*Q.shape[:-1], V.shape[-1], dtype=Q.dtype, device=Q.device)
+
+
+def values(Q, K, V, mask=None):
+    return V
+
+
+def noise(Q, K, V, mask=None):
+    return torch.randn(*Q.shape[:-1], V.shape[-1], dtype=Q.dtype, device=Q.device)
+
+
+def dropout_left_on(Q, K, V, mask=None):  # noisy, yet its output follows its inputs
+    return F.dropout(torch.softmax(Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1]), dim=-1), p=0.1) @ V
+
+
+def _vacuity(fn, dtype="float64", case=None):
+    try:
+        require_responsive(make_target(fn), case or Case(dtype=dtype))
+    except Failure as failure:
+        assert failure.vacuous
+        return failure
+    return None
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_a_correct_attention_responds_in_every_dtype(dtype):
+    assert _vacuity(reference.reference_attention, dtype) is None
+    assert _vacuity(F.scaled_dot_product_attention, dtype) is None
+
+
+def test_a_multi_head_module_responds_through_its_own_forward():
+    assert _vacuity(reference.MultiHeadAttention, case=MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2)) is None
+
+
+@pytest.mark.parametrize("fn, ignored", [(zeros, "Q and K and V"), (values, "Q and K"), (noise, "random numbers")])
+def test_an_output_that_ignores_inputs_makes_every_property_vacuous(fn, ignored):
+    failure = _vacuity(fn)
+    assert failure is not None and ignored in failure.cause and "only trivially" in failure.cause
+    assert failure.message.startswith("the output") and "(call: attention(Q, K, V), then with" in failure.message
+    assert ignored in ignored_inputs(make_target(fn), Case()) and "only trivially" not in ignored_inputs(make_target(fn), Case())
+
+
+def test_noise_alone_is_not_taken_for_ignoring_the_inputs():
+    for _ in range(3):
+        assert _vacuity(dropout_left_on, "float32") is None
+
+
+def test_the_probe_runs_once_per_target_kind_dtype_and_device():
+    target = make_target(reference.reference_attention)
+    require_responsive(target, Case(dtype="float32"))
+    calls = target.calls
+    require_responsive(target, Case(dtype="float32", n_q=5, seed=3))
+    assert target.calls == calls > 0
+    require_responsive(target, Case(dtype="float64"))
+    assert target.calls > calls
+
+
+def test_a_target_the_probe_cannot_call_is_not_judged_by_it():
+    def batched_only(Q, K, V, mask=None):
+        if Q.dim() < 3:
+            raise NotImplementedError("batched inputs only")
+        return reference.reference_attention(Q, K, V, mask)
+
+    assert _vacuity(batched_only) is None
+
+
+def test_an_uninformative_case_is_drawn_again():
+    with pytest.raises(Uninformative):  # a mask that masks no key
+        properties.mask_semantics(reference.reference_attention, Case(n_q=2, n_kv=2, mask="none"))
+    with pytest.raises(Uninformative):  # one batch element: nothing to be independent of
+        properties.batch_independence(reference.reference_attention, Case(batch=(1,), n_q=2, n_kv=2))
+    with pytest.raises(Uninformative):  # one token: no permutation moves anything
+        properties.permutation_equivariance(reference.MultiHeadAttention,
+                                            MhaCase(n_q=1, n_kv=1, d_model=4, n_heads=2, self_attention=True))
+    with pytest.raises(Uninformative):  # Q = 0: shifting the keys moves no score
+        properties.key_shift_invariance(reference.reference_attention, Case(n_q=2, n_kv=3, magnitude=0.0))
+
+
+def test_vacuous_failures_are_blocked_by_the_root_and_block_nothing():
+    rows = [PropertyResult("rows-sum-to-one", "fail", vacuous=True),
+            PropertyResult("matches-reference", "fail"),
+            PropertyResult("mask-semantics", "fail", vacuous=True),
+            PropertyResult("value-linearity", "pass")]
+    mark_blocked(rows)
+    assert [r.blocked_by for r in rows] == ["matches-reference", None, "matches-reference", None]
+    alone = [PropertyResult("permutation-equivariance", "fail", vacuous=True)]  # the root was not run
+    mark_blocked(alone)
+    assert alone[0].blocked_by is None
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda q, k, v: torch.zeros(3, 2, dtype=torch.float64), "all zeros"),
+    (lambda q, k, v: v, "V itself"),
+    (lambda q, k, v: q, "Q itself"),
+    (lambda q, k, v: v.mean(dim=0, keepdim=True).expand(3, 2), "mean of V"),
+    (lambda q, k, v: torch.full((3, 2), 0.25, dtype=torch.float64), "constant 0.25"),
+])
+def test_the_root_names_an_output_that_is_no_attention(make, words):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, generator=gen, dtype=torch.float64) for _ in range(3))
+    assert words in diagnose_mismatch(make(q, k, v), q, k, v, None, 1e-12)
+
+
+def test_json_marks_the_vacuous_rows():
+    report = attn_spec.check(zeros, profile="quick", seed=1, devices=["cpu"], dtypes=["float64"],
+                             only=["matches-reference", "permutation-equivariance", "determinism"])
+    rows = {p["id"]: p for p in json.loads(report.to_json())["targets"][0]["properties"]}
+    assert rows["matches-reference"]["vacuous"] is False and rows["matches-reference"]["blocked_by"] is None
+    assert "all zeros" in rows["matches-reference"]["cause"]
+    for pid in ("permutation-equivariance", "determinism"):
+        assert rows[pid]["status"] == "fail" and rows[pid]["vacuous"] is True
+        assert rows[pid]["blocked_by"] == "matches-reference"
