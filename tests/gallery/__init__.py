@@ -9,8 +9,8 @@
   that the kit's diagnosis must name as the one root of its failures.
 - ``TRIVIAL``: outputs that ignore their inputs (zeros, V, the mean of V, ...). No property may
   pass on them: each fails at one root (``matches-reference``, or ``determinism`` for random
-  numbers), every other property as vacuous, explained by it. They
-  are also in ``BUGGY`` (caught by ``matches-reference``), so they count in the kill count.
+  numbers), every other property as vacuous, explained by it. Those with a
+  mistake model are also in ``BUGGY``; all count in the kill count.
 
 Each module of this package registers its entries with ``@correct`` and ``@buggy``.
 """
@@ -55,7 +55,8 @@ def trivial(*, bug: str, mistake: str = ""):
     def register(obj):
         entry = Entry(obj.__name__, obj, "function", ("matches-reference",), bug, mistake)
         TRIVIAL.append(entry)
-        BUGGY.append(entry)
+        if mistake:  # a bug the diagnosis can name
+            BUGGY.append(entry)
         return obj
     return register
 
