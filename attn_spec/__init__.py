@@ -9,9 +9,10 @@ import warnings
 # torch warns at import when NumPy is absent; the kit never needs NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+from attn_spec.errors import Unsupported  # a target raises it to decline an input (light: no torch)
 from attn_spec.version import __version__
 
-__all__ = ["__version__", "check", "reproduce"]
+__all__ = ["__version__", "check", "reproduce", "Unsupported"]
 
 
 def __getattr__(name):  # PEP 562: `import attn_spec` stays cheap (the pytest plugin imports it in every run)

@@ -19,7 +19,7 @@ from attn_spec.report import Report
 from attn_spec.report.ci import Expectations
 from attn_spec.targets.behaviours import parse_requirements
 from attn_spec.targets.capabilities import parse_capabilities
-from attn_spec.targets.conventions import Target, load, make_target
+from attn_spec.targets.conventions import Target, load, make_target, parse_masks
 from attn_spec.targets.loading import load_target
 from attn_spec.version import __version__
 
@@ -69,7 +69,8 @@ def load_targets(settings: attn_settings.Settings, name: str | None = None, *, n
     for spec in settings["targets"]:
         try:
             targets.append(load(spec, settings["convention"], name=name or spec, root=root,
-                                inference_only=settings["inference-only"], verbose=verbose))
+                                masks=settings["masks"] or None, inference_only=settings["inference-only"],
+                                verbose=verbose))
         except (TargetLoadError, KitUsageError) as exc:
             if not_loaded is None:
                 raise
@@ -100,9 +101,11 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
 
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
           devices=None, require=None, expect=None, inference_only=None, progress=None, exitfirst=False,
-          verbose=False, config=False, diagnose=True) -> Report:
+          verbose=False, config=False, diagnose=True, masks=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
+    ``masks``: the mask forms the targets take, ``("bool",)`` or ``("bool", "additive")`` (default:
+    each convention's own; additive float masks are part of the sdpa and torch-mha conventions only).
     ``inference_only``: the targets are inference kernels, so an output without autograd makes
     ``gradients`` a skip instead of a failure. ``verbose``: the report keeps all of the targets'
     captured output (prints, warnings, log records), not only the count and first occurrence.
@@ -121,12 +124,13 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     """
     given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
                             dtypes=dtypes, devices=devices, require=require, expect=expect,
-                            inference_only=inference_only)
+                            inference_only=inference_only, masks=masks)
     if not config:
         settings = attn_settings.resolve([given])
     else:
         settings = attn_settings.load(given, path=None if config is True else config)
     checked_plan = plan(settings)
+    masks = settings["masks"] or None  # None: each convention's own
     not_loaded = []
     if targets:
         loaded = []
@@ -134,10 +138,12 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
             key = name if len(targets) == 1 else (obj if isinstance(obj, str) else None)
             try:
                 loaded.append(obj if isinstance(obj, Target) else
-                              load(obj, settings["convention"], name=key, verbose=verbose) if isinstance(obj, str) else
-                              make_target(obj, key, settings["convention"]))
+                              load(obj, settings["convention"], name=key, masks=masks, verbose=verbose)
+                              if isinstance(obj, str) else make_target(obj, key, settings["convention"], masks))
             except TargetLoadError as exc:  # an adapter class that raises when instantiated: the others still run
                 not_loaded.append({"target": key or getattr(obj, "__qualname__", repr(obj)), "message": str(exc)})
+        for target in loaded:
+            target.masks = parse_masks(masks) or target.masks
     elif settings["targets"]:
         loaded = load_targets(settings, verbose=verbose)
     else:
@@ -151,12 +157,12 @@ def config_keywords(**values) -> attn_settings.Layer:
     return attn_settings.keywords(values, "the keyword argument {key}", base=None)
 
 
-def reproduce(property_id: str, target, case, *, convention=None) -> None:
+def reproduce(property_id: str, target, case, *, convention=None, masks=None) -> None:
     """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold."""
     prop = select(only=[property_id])[0]
     obj = load_target(target) if isinstance(target, str) else target
     adapter = obj if isinstance(obj, Target) else make_target(obj, target if isinstance(target, str) else None,
-                                                               convention)
+                                                               convention, masks)
     try:
         prop.fn(adapter, case)
     except Failure as failure:

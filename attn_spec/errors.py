@@ -66,6 +66,9 @@ class NotDifferentiable(Failure):
 class Unsupported(AttnSpecError):
     """The target declared (NotImplementedError) or lacks a capability a property needs.
 
+    Exported as ``attn_spec.Unsupported`` for targets: ``raise attn_spec.Unsupported("2-D inputs
+    only")`` in an attention declines that input, as a ``NotImplementedError`` raised from the
+    target's own code does (one raised inside torch or another library is a crash instead).
     ``total``: the target never does this (it takes no such argument), so the property is a
     skip; otherwise only this input is outside what the target handles and is passed over.
     """

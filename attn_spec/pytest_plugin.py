@@ -180,6 +180,7 @@ class Checker:
         extra += [f"--attn-dtypes={','.join(self.plan.dtypes)}"] if self.settings["dtypes"] else []
         extra += [f"--attn-devices={','.join(self.plan.devices)}"] if self.settings["devices"] else []
         extra += ["--attn-inference-only"] if self.settings["inference-only"] else []
+        extra += [f"--attn-masks={','.join(self.settings['masks'])}"] if self.settings["masks"] else []
         return " ".join(["pytest", f"--attn-target={spec}", f"--attn-only={property_id}",
                          f"--attn-profile={self.profile}", f"--attn-seed={self.plan.seed}", *extra])
 
@@ -328,7 +329,7 @@ def _marker_checker(item, mark, session: AttnSpecSession):
         key, obj = target, load_target(target)
     else:
         key, obj = spec_of(target) or getattr(target, "__qualname__", type(target).__name__), target
-    return Checker(settings, seed, {key: make_target(obj, key, settings["convention"],
+    return Checker(settings, seed, {key: make_target(obj, key, settings["convention"], settings["masks"] or None,
                                                      inference_only=settings["inference-only"])}), key
 
 

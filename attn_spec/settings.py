@@ -30,9 +30,9 @@ PRECEDENCE = "command line > environment > pyproject.toml > defaults"
 CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
 PROFILES = ("quick", "default", "thorough")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
-CAPABILITIES = ("mask", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
+CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
                 "float64", "float16", "bfloat16")
-BEHAVIOURS = ("fully-masked", "mask-polarity", "masked-nan", "causal-alignment", "weights-returned")
+BEHAVIOURS = ("fully-masked", "mask-polarity", "masked-nan", "causal-alignment", "weights-returned", "gqa-grouping")
 
 
 class SettingError(KitUsageError):
@@ -104,8 +104,10 @@ _SETTINGS = (
             metavar="CAPABILITY|KEY=VALUE"),
     Setting("expect", "file of properties known to fail or skip, one id per line with a # comment: they do not "
             "fail the run, and stale lines are reported", metavar="FILE", paths="file"),
-    Setting("masks", "mask kinds the targets take: bool, additive (default: bool)", kind="list",
-            choices=("bool", "additive"), metavar="KIND", pending="issue 12", unset="bool"),
+    Setting("masks", "mask forms the targets take: bool (True = may attend; every convention) and additive "
+            "(float masks added to the scores; part of the sdpa and torch-mha conventions), e.g. bool,additive "
+            "(default: the convention's)", kind="list", choices=("bool", "additive"), metavar="FORMS",
+            unset="the convention's"),
     Setting("inference-only", "the targets are inference kernels: an output without autograd makes gradients a "
             "skip, not a failure (function, module and adapter targets must otherwise be differentiable)",
             kind="bool", default=False),

@@ -29,7 +29,7 @@ from attn_spec.diagnosis.run import diagnose_one
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import KitUsageError
 from attn_spec.report.text import failure_text
-from attn_spec.targets.conventions import Target, make_target
+from attn_spec.targets.conventions import Target, make_target, parse_masks
 
 # Import order is catalog order: the basic, decisive properties first.
 from attn_spec.properties.core import (causal_mask, permutation_equivariance, rows_sum_to_one,  # noqa: I001
@@ -61,17 +61,19 @@ def select(only=None, skip=None) -> list[Property]:
 
 
 def check_property(property_id: str, target, *, convention=None, profile="default", seed=None, dtypes=None,
-                   devices=None):
+                   devices=None, masks=None):
     """Run one property with Hypothesis on ``target``; AssertionError with the lesson if it does not hold.
 
     ``target`` is your function or module (any convention; ``convention=`` when it cannot be
-    detected) or an adapter. ``seed=None`` draws a random seed; the failure text names it.
+    detected) or an adapter. ``masks=("bool", "additive")`` declares that it takes additive float
+    masks too. ``seed=None`` draws a random seed; the failure text names it.
     Returns the :class:`attn_spec.report.PropertyResult` (status "pass", or "skip" with the reason
     in ``message`` when the property does not apply to the target).
     """
     get_profile(profile)
     prop = select(only=[property_id])[0]
-    adapter = target if isinstance(target, Target) else make_target(target, convention=convention)
+    adapter = target if isinstance(target, Target) else make_target(target, convention=convention, masks=masks)
+    adapter.masks = parse_masks(masks) or adapter.masks
     seed = random.randrange(2**32) if seed is None else seed
     result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=list(dtypes or DTYPES),
                           devices=list(devices or available_devices()))

@@ -252,8 +252,9 @@ def scale_sqrt_dk(target, case):
             fail(f"{s:.4g} at d_k={d_k} and {law[other]:.4g} at d_k={other}: {name}",
                  what="the recovered scale (read from the weights shown)",
                  expected=f"{expected:.4g} = 1/sqrt(d_k) at d_k={d_k}", budget=f"relative {tol:g}",
-                 call="forward(x, x), x = [e_0, (1 + sqrt(d_k)) e_0] in each head, identity projections"
-                 if isinstance(case, MhaCase) else "attention(q = e_0, K = [0, sqrt(d_k) e_0], V = [[0], [1]])",
+                 call="forward(x, x), x = [(1 - sqrt(d_k)) e_0, e_0] in each head, identity projections; token 1 read"
+                 if isinstance(case, MhaCase) else "attention(Q = [e_0, e_0], K = [0, sqrt(d_k) e_0], V = [[0], [1]]); "
+                                                   "query 1 read",
                  cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)"
                  if not name.startswith(("unreadable", "negative")) else f"the scale is {name}",
                  got=torch.stack([1 - got, got])[None], expected_tensor=torch.stack([1 - want, want])[None],

@@ -36,16 +36,15 @@ def _push_keys(q, k, masked, limit):
     return torch.where(masked, k + size * direction, k)  # [..., Tk, Dk]
 
 
-def _one_query_per_element(q, k, v, mask, rows):
-    """Query ``rows`` each in a batch element of its own with its own copy of K, V and its mask row,
-    so that the keys masked for that one query can be changed freely."""
+def _one_copy_per_query(q, k, v, mask, rows):
+    """One batch element per query in ``rows``, each with all of Q and the mask and its own copy of K
+    and V, so that the keys masked for that one query can be changed freely (and the inputs keep
+    their shapes: a self-attention or causal-only target takes them)."""
     batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], mask.shape[:-2])
-    r = len(rows)
-    qs = q.expand(*batch, *q.shape[-2:])[..., rows, :].unsqueeze(-2)  # [..., R, 1, Dk]
-    ks = k.expand(*batch, *k.shape[-2:]).unsqueeze(-3).expand(*batch, r, *k.shape[-2:]).clone()  # [..., R, Tk, Dk]
-    vs = v.expand(*batch, *v.shape[-2:]).unsqueeze(-3).expand(*batch, r, *v.shape[-2:]).clone()  # [..., R, Tk, Dv]
-    ms = mask.expand(*batch, *mask.shape[-2:])[..., rows, :].unsqueeze(-2)  # [..., R, 1, Tk]
-    return qs, ks, vs, ms
+
+    def copies(t):  # [..., T, D] -> [..., R, T, D]
+        return t.expand(*batch, *t.shape[-2:]).unsqueeze(-3).expand(*batch, len(rows), *t.shape[-2:])
+    return copies(q), copies(k).clone(), copies(v).clone(), copies(mask)
 
 
 def _leak_cause(w, allowed, q, k, mask) -> str:
@@ -66,7 +65,8 @@ def _leak_cause(w, allowed, q, k, mask) -> str:
 
 @prop("mask-semantics", family="masking",
       statement="masked keys get exactly zero weight; the output does not depend on K or V at masked positions; "
-                "a bool mask and the equivalent additive -inf mask agree when the target takes both",
+                "where additive masks are in the target's contract (sdpa, torch-mha, or declared with --masks), "
+                "a bool mask and the equivalent additive -inf mask agree",
       cases={"masks": ("random", "causal"), "min_n_kv": 2}, after=("rows-sum-to-one", "scale-sqrt-dk"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, mask="causal"),
                 Case(n_q=3, n_kv=4, d_k=4, d_v=2, dtype="float32", mask="random", seed=3),
@@ -80,9 +80,10 @@ def mask_semantics(target, case):
     """A[i, j] = 0 exactly where mask[i, j] is False, and out[i] = sum over allowed j of A[i, j] V[j].
 
     Moving K and V at masked positions to huge finite values (raw scores near +1e6, or
-    finfo.max / 64 in float16) must not change the output; a float mask of 0 / -inf must
-    give what the bool mask gives, and a finite float mask acts as a bias added *after*
-    scaling. NaN in masked K/V is a convention (``0 * NaN`` propagates), probed and
+    finfo.max / 64 in float16) must not change the output. Where additive masks are in the
+    target's contract (sdpa, torch-mha, or declared: ``--masks bool,additive``), a float mask
+    of 0 / -inf must give what the bool mask gives, and a finite float mask acts as a bias
+    added *after* scaling; other targets get bool masks only. NaN in masked K/V is a convention (``0 * NaN`` propagates), probed and
     reported in the header, not judged here.
 
     Why: padding and causal masks are how a model is told what does not exist; a masked key
@@ -110,35 +111,43 @@ def mask_semantics(target, case):
 def _check_masked_inputs_unused(target, q, k, v, mask):
     """Huge finite K and V at the masked keys of each query leave its output unchanged."""
     rows = sorted({round(x) for x in torch.linspace(0, q.shape[-2] - 1, min(q.shape[-2], 4)).tolist()})
-    qs, ks, vs, ms = _one_query_per_element(q, k, v, mask, rows)
-    masked = ~ms.transpose(-2, -1)  # [..., R, Tk, 1]
+    qs, ks, vs, ms = _one_copy_per_query(q, k, v, mask, rows)
+    pick = torch.arange(len(rows), device=q.device), torch.tensor(rows, device=q.device)  # element r: query rows[r]
+
+    def own(t):  # [..., R, Tq, D] -> [..., R, 1, D]: each element's own query
+        return t[..., pick[0], pick[1], :].unsqueeze(-2)
+    masked = ~own(ms).transpose(-2, -1)  # [..., R, Tk, 1] keys masked for each element's query
     limit = push_limit(q.dtype)
-    loud_k, loud_v = _push_keys(qs, ks, masked, limit), torch.where(masked, vs + limit, vs)
-    base = target.attend(qs, ks, vs, ms)  # [..., R, 1, Dv]
+    loud_k, loud_v = _push_keys(own(qs), ks, masked, limit), torch.where(masked, vs + limit, vs)
+    base = own(target.attend(qs, ks, vs, ms))  # [..., R, 1, Dv]
     allowed = 2 * budget(qs, ks, vs, ms, reference.attention(qs, ks, vs, ms)[0])
-    moved = target.attend(qs, loud_k, loud_v, ms)
+    moved = own(target.attend(qs, loud_k, loud_v, ms))
     if max_error(moved, base) <= allowed:
         return
-    moved_k = target.attend(qs, loud_k, vs, ms)  # which of the two reaches the output?
+    moved_k = own(target.attend(qs, loud_k, vs, ms))  # which of the two reaches the output?
     cause = ("masked keys' large scores still enter the softmax, so the allowed weights underflow to 0/0 "
              "(mask applied after the softmax, then renormalised?)" if not torch.isfinite(moved_k).all() else
              "masked keys still count: the mask is applied after the softmax, or as a finite additive "
              "bias that large scores overwhelm (fill with -inf or finfo.min)")
-    assert_close(moved_k, base, budget=allowed, call="attention(Q, K', V, mask), one query per batch element",
+    assert_close(moved_k, base, budget=allowed, call="attention(Q, K', V, mask), one copy per query",
                  what=f"the output after moving K at masked positions (scores up to about {limit:.3g}), "
                       f"for the queries they are masked for", cause=cause)
-    assert_close(moved, base, budget=allowed, call="attention(Q, K', V', mask), one query per batch element",
+    assert_close(moved, base, budget=allowed, call="attention(Q, K', V', mask), one copy per query",
                  what=f"the output after adding {limit:.3g} to V at masked positions",
                  cause="values at masked positions reach the output: their weight is not exactly 0")
 
 
 def _check_float_mask(target, case, q, k, v, mask):
-    """0 / -inf float mask == bool mask; a finite float mask is a bias added after scaling."""
+    """0 / -inf float mask == bool mask; a finite float mask is a bias added after scaling.
+
+    Only for targets whose contract includes additive masks (sdpa, torch-mha, or declared)."""
+    if "additive" not in target.masks:
+        return  # promised bool masks only: a float mask would be read as a bool one, rightly
     float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
     try:
         got = target.attend(q, k, v, float_mask)  # [..., Tq, Dv]
-    except (TargetRaised, Unsupported):
-        return  # the target does not take float masks: only the bool mask applies
+    except Unsupported:
+        return  # the target declined this float mask: only the bool mask applies
     out = target.attend(q, k, v, mask)
     expected = reference.attention(q, k, v, mask)[0]
     allowed = budget(q, k, v, mask, expected)

@@ -16,6 +16,8 @@ from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.properties.core import cross_or_self
+from attn_spec.targets.behaviours import behaviour
+from attn_spec.targets.capabilities import supports
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 from attn_spec.properties.informative import require_responsive
 
@@ -240,7 +242,7 @@ def non_contiguous(target, case):
     for layout, relayout in (("transposed (column-major)", _column_major),
                              ("sliced (strided views into a NaN-filled buffer)", _view_into_padding)):
         _same_output(run, layout, _relaid(inputs(), relayout), expected, limit)
-    if isinstance(case, Case):
+    if isinstance(case, Case) and supports(target).batch:  # the third layout adds a head dim
         same = expected.unsqueeze(-3).expand(*expected.shape[:-2], 2, *expected.shape[-2:])  # [..., 2, Tq, Dv]
         _same_output(run, "expanded (stride-0 broadcast)", _two_heads_sharing_kv(*inputs()), same, limit)
 
@@ -285,8 +287,9 @@ def long_sequences(target, case):
     thousands of exponentials overflows), a head-dim limit that ignores dims beyond a tile.
     """
     require_responsive(target, case)
-    got = target.attend(*_long_inputs(case))  # [Tq, Dv]
-    q, k, v, mask = _long_inputs(case)  # the kit's own copies: the target may write into its inputs
+    square = not supports(target).cross  # a self-attention target: n_q = n_kv, the whole long sequence
+    got = target.attend(*_long_inputs(case, square))  # [Tq, Dv]
+    q, k, v, mask = _long_inputs(case, square)  # the kit's own copies: the target may write into its inputs
     expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
     allowed = budget(q, k, v, mask, expected)
     assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
@@ -295,9 +298,11 @@ def long_sequences(target, case):
                  cause=lambda: _diagnose_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed))
 
 
-def _long_inputs(case):
-    """Q [Tq, Dk], K [4 Tk, Dk], V [4 Tk, Dv] and the mask of the case, stretched to many keys."""
+def _long_inputs(case, square=False):
+    """Q [Tq, Dk], K [4 Tk, Dk], V [4 Tk, Dv] and the mask of the case, stretched to many keys
+    (``square``: as many queries as keys)."""
     n_kv = max(LONG_KEYS * case.n_kv, case.n_q)
+    case = case.replace(n_q=n_kv) if square else case
     q, k, v, mask = case.replace(n_kv=n_kv, mask="none" if case.mask == "causal" else case.mask).tensors()
     if case.mask == "causal":
         mask = reference.causal_mask(case.n_q, n_kv, alignment="bottom-right", device=q.device)  # [Tq, Tk]
@@ -331,7 +336,8 @@ GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV he
 
 @prop("gqa-equivalence", family="multi-head",
       statement="where the target supports grouped-query attention: it equals multi-head attention with K/V "
-                "heads repeated (query head h reads KV head h // g)",
+                "heads repeated in the target's grouping, probed and reported (blocked: query head h reads KV "
+                "head h // g; tile: h % H_kv)",
       conventions=FUNCTION_CONVENTIONS, after=("matches-reference", "batch-independence"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal"),
                 Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)],
@@ -341,13 +347,17 @@ GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV he
                           "repeated with repeat_interleave; a target that refuses unequal head counts is skipped.",
                     example="gqa"))
 def gqa_equivalence(target, case):
-    """attn(Q [..., g*Hkv, Tq, Dk], K [..., Hkv, Tk, Dk], V) = attn(Q, K', V'), K' = K.repeat_interleave(g, dim=-3).
+    """attn(Q [..., g*Hkv, Tq, Dk], K [..., Hkv, Tk, Dk], V) = attn(Q, K', V'), K' = K with each KV head
+    repeated for the g query heads that read it.
 
-    Query head h reads KV head h // g: groups of g consecutive query heads share one KV head
-    (as in Llama, Mistral and SDPA's enable_gqa). A target that raises on unequal head counts
-    does not support GQA: the property is then a skip. Why: GQA shrinks the KV cache g-fold,
-    and a wrong head mapping still trains, only worse. Catches: K/V tiled with repeat
-    ([h0, h1, h0, h1]) instead of repeat_interleave, every query head reading KV head 0.
+    Which query heads share a KV head is a convention, probed (``gqa-grouping`` in the header):
+    blocked, query head h reads KV head h // g (``repeat_interleave``: Llama, Mistral, SDPA's
+    enable_gqa), or tile, h % Hkv (einops ``repeat(k, 'b h n d -> b (g h) n d')``); the
+    property holds the target to the grouping found, and ``--require gqa-grouping=blocked``
+    holds it to one. A target that raises on unequal head counts does not support GQA: the
+    property is then a skip. Why: GQA shrinks the KV cache g-fold, and a head mapping that
+    changes with the input still trains, only worse. Catches: every query head reading KV
+    head 0, a mapping that is neither grouping.
     """
     n_kv_heads, group = GROUPINGS[case.seed % len(GROUPINGS)]
     n_heads = n_kv_heads * group
@@ -357,24 +367,34 @@ def gqa_equivalence(target, case):
         raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
                           f"{exc.message}", total=True) from None
     require_responsive(target, case)
+    grouping = behaviour(target, "gqa-grouping", case.dtype, case.device)
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
-    repeated = [t.repeat_interleave(group, dim=-3) for t in (k, v)]  # [..., Hq, Tk, D]
+    repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
     expected, _ = reference.attention(q, *repeated, mask)
     allowed = budget(q, *repeated, mask, expected)
-    assert_close(got, expected, budget=allowed, what="the output against the float64 reference on K/V heads repeated "
-                 "with repeat_interleave", call=f"attention(Q [{n_heads} heads], K [{n_kv_heads} heads], V [{n_kv_heads} "
-                 f"heads])", cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, allowed))
+    assert_close(got, expected, budget=allowed, what=f"the output against the float64 reference on K/V heads repeated "
+                 f"in the target's grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
+                 f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
+                 cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping))
 
 
-def _diagnose_gqa(got, q, k, v, mask, group, allowed) -> str:
-    """Which wrong head mapping reproduces the output?"""
-    tiled = [t.repeat(*[1] * (t.dim() - 3), group, 1, 1) for t in (k, v)]  # heads [h0, h1, h0, h1]
-    if max_error(got, reference.attention(q, *tiled, mask)[0]) <= allowed:
-        return ("K/V heads are tiled with repeat ([h0, h1, h0, h1]) instead of repeat_interleave: query head h "
-                "reads KV head h % Hkv, not h // g")
+def _repeat_heads(t, group, grouping):
+    """K or V [..., Hkv, T, D] -> [..., g * Hkv, T, D] in the grouping: tile [h0, h1, h0, h1], else blocked [h0, h0, h1, h1]."""
+    if grouping == "tile":
+        return t.repeat(*[1] * (t.dim() - 3), group, 1, 1)
+    return t.repeat_interleave(group, dim=-3)
+
+
+def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping) -> str:
+    """Which head mapping reproduces the output?"""
+    for other in ("blocked", "tile"):
+        repeated = [_repeat_heads(t, group, other) for t in (k, v)]
+        if other != grouping and max_error(got, reference.attention(q, *repeated, mask)[0]) <= allowed:
+            return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
+                    f"gqa-grouping={grouping}: the head mapping depends on the input")
     if max_error(got, reference.attention(q, k[..., :1, :, :], v[..., :1, :, :], mask)[0]) <= allowed:
         return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
-    return "query heads are not mapped to KV head h // g"
+    return "query heads are mapped to KV heads by neither grouping (blocked h // g, tile h % Hkv)"
 
 def _grouped_inputs(case, n_heads, n_kv_heads):
     """Q [..., Hq, Tq, Dk], K and V [..., Hkv, Tk, D], mask [..., Hq, Tq, Tk] or [Tq, Tk]."""

@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 
 # The gallery's figures, gathered from the tests' record_property() so that they reach the summary
 # under xdist too (the workers' reports carry them to the controller).
-GALLERY: dict[str, dict] = {"kills": {}, "alarms": {}, "diagnosed": {}}
+GALLERY: dict[str, dict] = {"kills": {}, "alarms": {}, "diagnosed": {}, "library_alarms": {}}
 
 
 def pytest_runtest_logreport(report):
@@ -20,18 +20,18 @@ def pytest_runtest_logreport(report):
     for name, value in getattr(report, "user_properties", ()):
         if name in GALLERY:
             entry, result = value
-            if name == "alarms":
+            if name in ("alarms", "library_alarms"):
                 GALLERY[name].setdefault(entry, []).extend(result)
             else:
                 GALLERY[name][entry] = result
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print the gallery's mutation score, diagnosis accuracy and false-alarm count after the run."""
+    """Print the gallery's mutation score, diagnosis accuracy and false-alarm counts (correct variants,
+    real-library targets) after the run."""
     kills, alarms, named = GALLERY["kills"], GALLERY["alarms"], GALLERY["diagnosed"]
-    if not (kills or alarms):
+    if not (kills or alarms or GALLERY["library_alarms"]):
         return
-    false_alarms = sorted(name for name, failed in alarms.items() if failed)
     terminalreporter.write_sep("=", "attention gallery")
     if kills:
         terminalreporter.write_line(f"mutation score: {sum(kills.values())}/{len(kills)} buggy attentions killed"
@@ -42,6 +42,8 @@ def pytest_terminal_summary(terminalreporter):
                                     f"root naming their own mistake"
                                     + (f" (not named: {', '.join(n for n, ok in named.items() if not ok)})"
                                        if not all(named.values()) else ""))
-    if alarms:
-        terminalreporter.write_line(f"false alarms: {len(false_alarms)} of {len(alarms)} correct variants"
-                                    + (f" ({', '.join(false_alarms)})" if false_alarms else ""))
+    for found, what in ((alarms, "correct variants"), (GALLERY["library_alarms"], "real-library targets")):
+        if found:
+            false_alarms = sorted(name for name, failed in found.items() if failed)
+            terminalreporter.write_line(f"false alarms: {len(false_alarms)} of {len(found)} {what}"
+                                        + (f" ({', '.join(false_alarms)})" if false_alarms else ""))

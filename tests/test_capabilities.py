@@ -98,15 +98,31 @@ def test_dtypes_left_out_are_unchecked():
 
 
 def test_report_shows_capabilities_and_why_some_are_missing():
-    report = attn_spec.check(unbatched, only=["batch-independence"], dtypes=["float32"], **QUICK)
-    (result,) = report.targets[0].properties
+    report = attn_spec.check(unbatched, only=["batch-independence", "scale-sqrt-dk"], dtypes=["float32"], **QUICK)
+    result = report.targets[0].properties[1]
     assert report.conforms and result.status == "skip" and "2-D inputs only" in result.message
     text = str(report)
-    assert "capabilities: mask, cross, dv-ne-dk, autograd;" in text
+    assert "capabilities: mask, unmasked, cross, dv-ne-dk, autograd;" in text
     assert ("lacks batch (no: attention(Q, K, V) raised NotImplementedError: 2-D inputs only); "
             "scale (no: the function convention takes no scale argument)") in text
     data = report.to_dict()["targets"][0]
     assert data["capabilities"]["batch"] == "no" and "2-D inputs only" in data["lacks"]["batch"]
+
+
+def test_a_target_with_nothing_checked_does_not_conform():
+    report = attn_spec.check(unbatched, only=["batch-independence"], dtypes=["float32"], **QUICK)
+    (result,) = report.targets[0].properties
+    assert result.status == "skip" and result.message.startswith("not checked: it needs leading batch/head dims")
+    assert not report.conforms and not report.targets[0].checked
+    assert "NOTHING CHECKED" in str(report) and report.to_dict()["targets"][0]["checked"] is False
+
+
+def test_inputs_a_target_declines_are_not_drawn():
+    report = attn_spec.check(unbatched, only=["matches-reference"], dtypes=["float32"], **QUICK)
+    (result,) = report.targets[0].properties
+    assert result.status == "pass" and result.examples >= 6  # every example checked, none rejected
+    assert "not drawn: leading batch/head dims (attention(Q, K, V) raised NotImplementedError: 2-D inputs only)" \
+        in result.message
 
 
 def test_required_capabilities_fail_only_when_missing():
@@ -145,4 +161,69 @@ def test_cli_require_capability(no_mask_file, capsys):
 def test_cli_unknown_capability_is_a_usage_error(no_mask_file, capsys):
     assert _cli(no_mask_file, "masks") == 2
     err = capsys.readouterr().err
-    assert "require=['masks'] from the command line (--require): 'masks' is not a capability" in err and "mask, batch, cross" in err
+    assert "require=['masks'] from the command line (--require): 'masks' is not a capability" in err and "mask, unmasked, batch, cross" in err
+
+
+def _calls_by_property(target):
+    """Record what each successful call into ``target`` exercised, under the property running it (the
+    check's progress callback names it): capability names, "non-causal mask", and dtype names."""
+    import attn_spec.targets.conventions as conventions
+    from attn_spec.reference import causal_mask
+
+    used, current = {}, [None]
+
+    def features(q, k, v, mask, **kwargs):
+        found = {str(q.dtype).replace("torch.", "")}
+        if mask is None:
+            found.add("unmasked")
+        else:
+            found.add("mask")
+            causal = causal_mask(q.shape[-2], k.shape[-2], device=mask.device)  # [Tq, Tk]
+            if mask.shape[-2:] != causal.shape or not torch.equal(mask, causal.expand(mask.shape)):
+                found.add("non-causal mask")
+        found.update(name for name, on in (("batch", q.dim() > 2),
+                                           ("cross", q.shape[-2] != k.shape[-2]),
+                                           ("dv-ne-dk", v.shape[-1] != k.shape[-1]),
+                                           ("scale", kwargs.get("scale") is not None),
+                                           ("is-causal", kwargs.get("is_causal")),
+                                           ("gqa", conventions._grouped(q, k))) if on)
+        return found
+
+    def wrap(method, extra=(), multihead=False):
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            if current[0] is not None:
+                if multihead:
+                    x_q, x_kv, _, _, *rest = args
+                    mask = rest[0] if rest else kwargs.get("mask")
+                    found = features(x_q, x_kv, x_kv, mask)
+                else:
+                    found = features(*args[:3], args[3] if len(args) > 3 else kwargs.get("mask"), **kwargs)
+                used.setdefault(current[0], set()).update(found | set(extra))
+            return out
+        return call
+
+    target.attend = wrap(target.attend)
+    target.vjp = wrap(target.vjp, ("autograd",))
+    target.multihead = wrap(target.multihead, multihead=True)
+    return used, lambda text: current.__setitem__(0, text.rsplit(" ", 1)[-1])
+
+
+@pytest.mark.parametrize("obj, convention", [
+    (seed_attention, None), (F.scaled_dot_product_attention, None), (unbatched, None),
+    (torch.nn.MultiheadAttention, None), ("SeedMultiHead", "module"), ("NanoGPTAdapter", "adapter")])
+def test_the_header_never_contradicts_the_table(obj, convention):
+    """No capability the header says the target lacks was exercised by a property that passed."""
+    from gallery import core, libraries
+
+    obj = {"SeedMultiHead": core.SeedMultiHead, "NanoGPTAdapter": libraries.NanoGPTAdapter}.get(obj, obj)
+    target = make_target(obj, convention=convention)
+    used, progress = _calls_by_property(target)
+    report = attn_spec.check(target, progress=progress, **QUICK).targets[0]
+    passed = {p.id for p in report.properties if p.status == "pass"}
+    assert passed, str(report)
+    for name, value in report.capabilities.items():
+        lacking = {"no": {name}, "raises": {name}, "causal-only": {"non-causal mask"}}.get(value, set())
+        for prop in passed:
+            assert not lacking & used.get(prop, set()), (
+                f"the header says {name}={value} ({report.lacks.get(name)}), but {prop} exercised it and passed")

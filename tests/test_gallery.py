@@ -1,10 +1,12 @@
 """The kit judged by the gallery: every bug caught by the properties that exist for it, one root per
-bug naming the bug's own mistake, no false alarm (nor any diagnosis) on a correct variant, and no
-pass on an output that ignores its inputs (``tests/gallery``)."""
+bug naming the bug's own mistake, no false alarm (nor any diagnosis) on a correct variant or a
+real-library target, and no pass on an output that ignores its inputs (``tests/gallery``)."""
 import pytest
 
 import attn_spec
-from gallery import BUGGY, CORRECT, TRIVIAL
+from attn_spec.targets.conventions import make_target
+from gallery import BUGGY, CORRECT, LIBRARY, TRIVIAL
+from gallery.libraries import hugging_face_vit
 
 SEED = 20261129
 # Entries whose one root does not (yet) name their declared mistake, listed so that a regression (or a
@@ -26,7 +28,8 @@ def test_correct_variant_conforms(entry, profile, record_property):
 def test_bug_is_caught_and_named(entry, record_property):
     """The whole catalog on each bug: the properties made for it fail, and the report has exactly one
     root, which names the entry's declared mistake model (attn-spec list --mistakes)."""
-    report = attn_spec.check(entry.obj, name=entry.name, convention=entry.convention, profile="quick", seed=SEED)
+    report = attn_spec.check(entry.obj, name=entry.name, convention=entry.convention, profile="quick", seed=SEED,
+                             masks=entry.masks)
     target = report.targets[0]
     results = {p.id: p for p in target.properties}
     missed = [pid for pid in entry.catches if results[pid].status != "fail"]
@@ -61,3 +64,19 @@ def test_trivial_output_passes_nothing_and_fails_at_one_root(entry, record_prope
     assert roots[0].id in ("matches-reference", "determinism") and roots[0].cause and roots[0].counterexample
     vacuous = [p for p in target.properties if p.vacuous]
     assert vacuous and all(p.blocked_by == roots[0].id for p in vacuous)
+
+
+def test_real_library_gallery_conforms_in_one_run(record_property):
+    """Every real-library-style target, in one multi-target check, as a user would run them together."""
+    targets = [make_target(e.obj, e.name, e.convention) for e in LIBRARY]
+    vit = hugging_face_vit()
+    if vit is not None:
+        targets.append(make_target(vit, "hf_vit_attention", "adapter"))
+    report = attn_spec.check(*targets, profile="default", seed=SEED)
+    for target in report.targets:  # conftest's summary: false alarms on real-library targets
+        record_property("library_alarms", (target.target, [p.id for p in target.properties
+                                                           if p.status not in ("pass", "skip")]))
+    assert [t.target for t in report.targets] == [t.name for t in targets]
+    assert report.conforms, str(report)
+    assert all(t.diagnoses == [] for t in report.targets)
+    assert vit is not None, "transformers (the test extra) is not installed: the Hugging Face target was left out"

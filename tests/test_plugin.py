@@ -115,11 +115,24 @@ def test_inference_only_and_the_targets_output(pytester):
      "ERROR: attn-spec: only=[[]'rows-sum-to-one,no-such-property'[]] from the command line (--attn-only): "
      "unknown property id(s): no-such-property; known: *rows-sum-to-one*"),
     (["--attn-target", "missing.py:attention"], "ERROR: attn-spec: Cannot load target: no file 'missing.py'*"),
-], ids=["unknown-id", "missing-file"])
+    (["--attn-target", "attn_ok.py:attention", "--attn-masks", "bool,float"],
+     "ERROR: attn-spec: masks=*, but each must be one of bool, additive*"),
+], ids=["unknown-id", "missing-file", "unknown-mask-form"])
 def test_bad_ids_and_unloadable_targets_are_usage_errors(attn_files, args, message):
     result = attn_files.runpytest_subprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+def test_declared_additive_masks_reach_the_target(attn_files):
+    """attn_ok reads its mask as bool (~mask): right by default, a crash once additive masks are declared."""
+    args = ["--attn-target", "attn_ok.py:attention", "--attn-only", "mask-semantics", "--attn-profile", "quick",
+            "--attn-seed", "7"]
+    assert attn_files.runpytest_subprocess(*args).ret == 0
+    result = attn_files.runpytest_subprocess(*args, "--attn-masks", "bool,additive")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*rerun: pytest --attn-target=attn_ok.py:attention --attn-only=mask-semantics "
+                                 "*--attn-masks=bool,additive*"])
 
 
 def test_inert_without_attn_target(pytester):

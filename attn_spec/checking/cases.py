@@ -58,6 +58,8 @@ class Case:
     magnitude: float = 1.0  # multiplies every entry of Q, K and V
     mask: str = "none"  # "none", "random" (per batch element) or "causal" (top-left, [n_q, n_kv])
     seed: int = 0
+    layout: str = "contiguous"  # "heads": with batch dims [..., B, H], Q, K, V are views split from
+    # [..., B, n, H, d] by view(B, n, H, d).transpose(1, 2), as models make heads (non-contiguous)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,6 +67,12 @@ class Case:
 
     def replace(self, **changes) -> "Case":
         return replace(self, **changes)
+
+    def _laid_out(self, t):
+        """``t`` [..., H, n, d] as the same values in a [..., n, H, d] buffer, seen through transpose(-3, -2)."""
+        if self.layout != "heads" or len(self.batch) < 2:
+            return t
+        return t.transpose(-3, -2).contiguous().transpose(-3, -2)  # [..., H, n, d], strides of [..., n, H, d]
 
     def tensors(self):
         """(Q, K, V, mask) in the case's dtype and device; mask is bool or None."""
@@ -78,7 +86,7 @@ class Case:
             mask = _random_mask(gen, b + (self.n_q, self.n_kv))  # [..., Tq, Tk]
         elif self.mask == "causal":
             mask = causal_mask(self.n_q, self.n_kv)  # [Tq, Tk]
-        q, k, v = (t.to(self.torch_dtype).to(self.device) for t in (q, k, v))
+        q, k, v = (self._laid_out(t.to(self.torch_dtype).to(self.device)) for t in (q, k, v))
         return q, k, v, (None if mask is None else mask.to(self.device))
 
     def summary(self) -> str:
@@ -86,6 +94,8 @@ class Case:
                  f"V {list(self.batch) + [self.n_kv, self.d_v]}", self.dtype, self.device]
         if self.mask != "none":
             parts.append(f"{self.mask} mask")
+        if self.layout == "heads" and len(self.batch) >= 2:
+            parts.append("heads split by view(B, n, H, d).transpose(1, 2)")
         return ", ".join(parts)
 
 

@@ -64,9 +64,10 @@ class Property:
         """True: always MhaCase; "module": MhaCase for every multi-head convention (module, torch-mha, adapter)."""
         return self.multihead is True or (self.multihead == "module" and convention in MULTIHEAD_CONVENTIONS)
 
-    def strategy(self, profile, convention: str, *, dtypes=None, devices=None):
-        """The case strategy for one target convention, restricted to the requested dtypes/devices."""
-        options = dict(self.case_options)
+    def strategy(self, profile, convention: str, *, dtypes=None, devices=None, fitted=None):
+        """The case strategy for one target convention, restricted to the requested dtypes/devices
+        (and ``fitted``: options that draw only what the target takes, see attn_spec.checking.fitting)."""
+        options = dict(self.case_options, **(fitted or {}))
         wanted = options.pop("dtypes", None)
         if dtypes is not None and wanted is not None:
             wanted = tuple(d for d in wanted if d in dtypes) or tuple(dtypes)

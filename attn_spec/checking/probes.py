@@ -6,12 +6,23 @@ Most targets return only ``softmax(scale * Q K^T) V``. Choosing V cleverly reads
 - V = ones [Tk, 1]: the output is each row's total weight;
 - two keys whose dot products with the query differ by a known gap g: the weight on the
   larger one is sigmoid(s * g), so s = logit(w) / g is the scale actually applied.
+
+The scale probes read the *last* of two queries over two keys: under a causal mask it sees both
+keys, so they work on causal-only modules too (given the causal mask) and on self-attention ones.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from attn_spec.reference import causal_mask
+from attn_spec.targets.capabilities import supports
+
+
+def plain_mask(target, n: int, device="cpu"):
+    """No mask, or the causal [n, n] mask for a target that declines calls without one (a causal-only module)."""
+    return None if "none" in supports(target, device=device).masks else causal_mask(n, n, device=device)
 
 
 def weights(target, q, k, mask=None) -> torch.Tensor:
@@ -28,9 +39,10 @@ def row_sums(target, q, k, mask=None) -> torch.Tensor:
 
 
 def scale_function_inputs(d_k: int, dtype=torch.float64, device="cpu"):
-    """(q, k, v) of the scale probe at key width d_k: q = e_0, K = [0, sqrt(d_k) e_0], V = [[0], [1]]."""
-    q = torch.zeros(1, d_k, dtype=dtype, device=device)  # [Tq=1, Dk]
-    q[0, 0] = 1
+    """(q, k, v) of the scale probe at key width d_k: both queries e_0 (the last one is read: under a
+    causal mask it sees both keys), K = [0, sqrt(d_k) e_0], V = [[0], [1]]."""
+    q = torch.zeros(2, d_k, dtype=dtype, device=device)  # [Tq=2, Dk]
+    q[:, 0] = 1
     k = torch.zeros(2, d_k, dtype=dtype, device=device)  # [Tk=2, Dk]
     k[1, 0] = math.sqrt(d_k)
     v = torch.tensor([[0.0], [1.0]], dtype=dtype, device=device)  # [Tk=2, Dv=1]
@@ -40,34 +52,36 @@ def scale_function_inputs(d_k: int, dtype=torch.float64, device="cpu"):
 def scale_function(target, d_k: int, dtype=torch.float64, device="cpu") -> float:
     """The scale s in softmax(s * Q K^T) of an attention function, at key width d_k.
 
-    One query e_0 and two keys, 0 and g * e_0 with g = sqrt(d_k): raw scores 0 and g, so a
-    correct target puts weight sigmoid(1) on key 1. V = [[0], [1]] reads that weight.
+    Query 1 is e_0 and the two keys are 0 and g * e_0 with g = sqrt(d_k): raw scores 0 and g, so
+    a correct target puts weight sigmoid(1) on key 1. V = [[0], [1]] reads that weight.
     """
-    w = target.attend(*scale_function_inputs(d_k, dtype, device))[0, 0].item()
+    w = target.attend(*scale_function_inputs(d_k, dtype, device), plain_mask(target, 2, device))[1, 0].item()
     return _logit(w) / math.sqrt(d_k)
 
 
 def scale_module_input(d_head: int, n_heads: int, dtype=torch.float64, device="cpu"):
-    """x [2, D] of the module scale probe: tokens e_0 and (1 + sqrt(d_head)) e_0 in each head's first column."""
+    """x [2, D] of the module scale probe: tokens (1 - sqrt(d_head)) e_0 and e_0 in each head's first column."""
     first = torch.arange(n_heads) * d_head  # first column of each head
     x = torch.zeros(2, d_head * n_heads, dtype=dtype, device=device)  # [T=2, D]
-    x[0, first], x[1, first] = 1.0, 1.0 + math.sqrt(d_head)
+    x[0, first], x[1, first] = 1.0 - math.sqrt(d_head), 1.0
     return x
 
 
 def scale_module(target, d_head: int, n_heads: int, dtype=torch.float64, device="cpu") -> list[float]:
     """The scale each head of a multi-head module applies, with identity projections.
 
-    Self-attention over two tokens, a e_0 and b e_0 in every head's first column (a = 1,
-    b = 1 + g, g = sqrt(d_head)): token 0's raw scores are a^2 and ab, a gap of g, so a correct
-    head puts weight w = sigmoid(1) on token 1, and with W_V = W_O = I token 0's output in
-    that column is a + w (b - a) = 1 + w g. Self-attention form, so one-input modules work too.
+    Self-attention over two tokens, a e_0 and b e_0 in every head's first column (a = 1 - g,
+    b = 1, g = sqrt(d_head)): token 1's raw scores are ab and b^2, a gap of g, so a correct
+    head puts weight w = sigmoid(1) on token 1 itself, and with W_V = W_O = I token 1's output
+    in that column is a + w (b - a) = 1 - g + w g. Self-attention form, so one-input modules
+    work too; token 1 sees both tokens under a causal mask, so causal-only modules work too.
     """
     d_model, g = d_head * n_heads, math.sqrt(d_head)
     eye = torch.eye(d_model, dtype=dtype, device=device)  # [D, D]
     x = scale_module_input(d_head, n_heads, dtype, device)
-    out = target.multihead(x, x, dict.fromkeys(("W_Q", "W_K", "W_V", "W_O"), eye), n_heads)  # [2, D]
-    return [_logit((y - 1.0) / g) / g for y in out[0, torch.arange(n_heads) * d_head].tolist()]
+    weights = dict.fromkeys(("W_Q", "W_K", "W_V", "W_O"), eye)
+    out = target.multihead(x, x, weights, n_heads, plain_mask(target, 2, device))  # [2, D]
+    return [_logit((y - 1.0 + g) / g) / g for y in out[1, torch.arange(n_heads) * d_head].tolist()]
 
 
 def _logit(w: float) -> float:

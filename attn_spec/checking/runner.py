@@ -19,7 +19,8 @@ from hypothesis.errors import Flaky, Unsatisfiable
 from attn_spec.targets.conventions import Target
 from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
-from attn_spec.targets.capabilities import parse_capabilities, probe_capabilities
+from attn_spec.checking.fitting import NotCheckable, fit, fit_case
+from attn_spec.targets.capabilities import Supports, parse_capabilities, probe_capabilities, supports
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, TargetRaised, Uninformative, Unsupported
@@ -30,14 +31,16 @@ from attn_spec.diagnosis.evidence import differs, record
 from attn_spec.diagnosis.run import diagnose_report
 
 
-def _snippet(prop: Property, case, target_name: str, convention: str, seed: int) -> str:
+def _snippet(prop: Property, case, target: Target, seed: int) -> str:
     fields = ", ".join(f"{f.name}={getattr(case, f.name)!r}" for f in dataclasses.fields(case)
                        if getattr(case, f.name) != f.default)
     kind = type(case).__name__
-    return (f"# attn-spec check {target_name} --only {prop.id} --seed {seed}\n"
+    declared = tuple(target.masks) != tuple(target.default_masks)  # masks the user declared
+    flag, keyword = (f" --masks {','.join(target.masks)}", f", masks={tuple(target.masks)!r}") if declared else ("", "")
+    return (f"# attn-spec check {target.name} --only {prop.id} --seed {seed}{flag}\n"
             f"import attn_spec\nfrom attn_spec.cases import {kind}\n"
             f"case = {kind}({fields})\n"
-            f"attn_spec.reproduce({prop.id!r}, {target_name!r}, case, convention={convention!r})")
+            f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keyword})")
 
 
 def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> dict:
@@ -48,7 +51,7 @@ def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> 
           "got_text": None if failure.got is None else format_matrix(failure.got, index=index),
           "expected_text": None if failure.expected is None else format_matrix(failure.expected, index=index),
           "labels": labels, "slice": list(index), "nonfinite_both": nonfinite_both(failure.got, failure.expected),
-          "seed": seed, "reproduce": _snippet(prop, case, target.name, target.convention, seed)}
+          "seed": seed, "reproduce": _snippet(prop, case, target, seed)}
     inputs = failure.inputs or _inputs(case)
     if failure.inputs:
         ce["summary"] = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
@@ -104,6 +107,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
                  verbose: bool = False) -> PropertyResult:
     """Run one property: explicit examples first, then random cases, shrinking any failure.
 
+    The cases are those the target takes (probed once per target: attn_spec.checking.fitting); a
+    property that ran on no input at all is a skip that says what was not checked, never a pass.
     The target's prints, warnings and log records are captured (``result.output``; all that was
     kept with ``verbose``); its exceptions are its failures; an exception of the kit's own is an
     ``error`` with the kit's traceback."""
@@ -112,6 +117,13 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.status, result.message = "skip", f"does not apply to the {target.convention} convention"
         return result
     prof = get_profile(profile)
+    with capture():  # a target not probed yet (check_property) is probed here, its prints kept off the terminal
+        takes = supports(target, dtypes, devices[0])
+    try:
+        fitted, dtypes, not_drawn = fit(prop, target.convention, takes, dtypes)
+    except NotCheckable as exc:
+        result.status, result.message = "skip", f"not checked: {exc}"
+        return result
     unsupported = []  # reasons the target gave for inputs it does not handle
     supported = [0]  # examples the target did handle
     GIVE_UP = 40  # unsupported inputs in a row, none supported: the property is a skip
@@ -136,8 +148,9 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
             raise
         supported[0] += 1
 
-    test = given(prop.strategy(prof, target.convention, dtypes=dtypes, devices=devices))(body)
-    for case in reversed(prop.examples_for(target.convention)):
+    test = given(prop.strategy(prof, target.convention, dtypes=dtypes, devices=devices, fitted=fitted))(body)
+    examples = [fit_case(case, fitted, takes) for case in prop.examples_for(target.convention)]
+    for case in reversed(list(dict.fromkeys(c for c in examples if c is not None))):
         if case.dtype in dtypes and case.device in devices:
             test = example(case)(test)
     test = settings(max_examples=prof.max_examples, deadline=None, database=None, derandomize=False,
@@ -161,11 +174,13 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.message = f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.seconds = time.perf_counter() - start
     result.output = output and output.summary(verbose)
-    if unsupported and result.status == "pass":
-        if supported[0]:
-            result.message = f"checked on {supported[0]} supported inputs; others skipped: {unsupported[0]}"
-        else:
-            result.status, result.message = "skip", str(unsupported[0])
+    if result.status == "pass" and not supported[0]:  # it ran on no input: not a pass
+        result.status = "skip"
+        result.message = f"not checked: {unsupported[0] if unsupported else 'no input was drawn'}"
+    elif unsupported and result.status == "pass":
+        result.message = f"checked on {supported[0]} supported inputs; others skipped: {unsupported[0]}"
+    if not_drawn and result.status == "pass":
+        result.message = "; ".join(filter(None, [result.message, f"not drawn: {'; '.join(not_drawn)}"]))
     return result
 
 
@@ -245,19 +260,24 @@ RUN_FIRST = ("matches-reference",)
 NOT_RUN = "stopped at the first failure"  # the message of each property --exitfirst left out
 
 
-def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: int, verbose: bool) -> None:
-    """The behaviours and capabilities of the header; a bug of the kit's own there is an ``error`` row."""
+def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: int, verbose: bool) -> list:
+    """The capabilities and behaviours of the header, probed before the properties (the cases drawn are
+    those the target takes: checking.fitting). A bug of the kit's own there is an ``error`` row, returned;
+    the properties then draw every input, as for a target that declines nothing."""
+    errors = []
     with capture() as output, _global_rng(seed, "header"):
-        for name, probe in (("behaviours", lambda: probe_behaviours(target, "float32" if "float32" in dtypes
-                                                                    else dtypes[0], devices[0])),
-                            ("capabilities", lambda: probe_capabilities(target, dtypes, devices[0]))):
+        for name, probe in (("capabilities", lambda: probe_capabilities(target, dtypes, devices[0])),
+                            ("behaviours", lambda: probe_behaviours(target, "float32" if "float32" in dtypes
+                                                                    else dtypes[0], devices[0]))):
             try:
                 found = probe()
             except Exception as exc:  # noqa: BLE001 - a bug in the kit itself, reported, never hidden
-                report.properties.append(PropertyResult(
+                errors.append(PropertyResult(
                     f"probe:{name}", "error", statement=f"the header's {name}, probed on tiny inputs",
                     message=f"internal error in attn-spec while probing the {name}: {type(exc).__name__}: {exc}\n"
                             f"{traceback.format_exc()}"))
+                if name == "capabilities":
+                    target.supported = Supports()
                 continue
             if name == "behaviours":
                 report.behaviours = found
@@ -266,6 +286,7 @@ def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: i
     report.output.update(target.output)
     if output.summary():
         report.output["header probes"] = output.summary(verbose)
+    return errors
 
 
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
@@ -278,8 +299,11 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``."""
-    report = TargetReport(target.name, target.convention)
+    report = TargetReport(target.name, target.convention, masks=list(target.masks))
     dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
+    # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
+    probe_errors = _probe_header(report, target, dtypes, devices, seed, verbose)
+    probe_calls = target.calls
     results = {}
     for i, prop in enumerate(sorted(props, key=lambda p: p.id not in RUN_FIRST)):
         if exitfirst and any(r.status in ("fail", "error") and r.id not in expected for r in results.values()):
@@ -290,14 +314,15 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices,
                                         verbose=verbose)
     report.properties = [results[p.id] for p in props]
+    for result in report.properties:  # counted from the first property's first call, not the probes'
+        if result.found_after_calls is not None:
+            result.found_after_calls -= probe_calls
     mark_blocked(report.properties)
     if diagnose and any(r.status == "fail" for r in report.properties):
         start = time.perf_counter()
         diagnose_report(target, report, REGISTRY)
         report.diagnosis_seconds = time.perf_counter() - start
-    # The header's probes run last, so that the properties' calls come first (a verdict sooner).
-    _probe_header(report, target, dtypes, devices, seed, verbose)
-    report.properties.extend(_requirements(report, require))
+    report.properties.extend(probe_errors + _requirements(report, require))
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()

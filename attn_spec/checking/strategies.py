@@ -3,14 +3,16 @@
 Every strategy draws a :class:`~attn_spec.checking.cases.Case` (shapes, dtype, device, seed), not raw
 tensors: drawing a seed instead of every element keeps generation fast at d_k = 256 and
 lets shrinking move towards small shapes, float64 and small-integer entries, which print as
-readable matrices.
+readable matrices. Two or more batch dims are [B, H, n, d]: half of such cases hold Q, K and V
+as models do, heads split from [B, n, H, d] by ``view(B, n, H, d).transpose(1, 2)`` (a
+non-contiguous view, ``Case.layout == "heads"``).
 
 Profiles set the budget:
 
 ========  ========  ==============================  ======================  ==========
 profile   examples  lengths (n_q, n_kv)             head dims (d_k, d_v)    batch dims
 ========  ========  ==============================  ======================  ==========
-quick     6         1..6                            1..6                    up to 1
+quick     6         1..6                            1..6                    up to 2
 default   15        1..8, or 17, 64, 113, 130       1..8, or 32, 59, 128,   up to 2
                                                     256
 thorough  120       1..12, or up to 512             1..12, or up to 256     up to 3
@@ -40,7 +42,7 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", 6, 6, (), (), 1, (1.0, 3.0)),
+    "quick": Profile("quick", 6, 6, (), (), 2, (1.0, 3.0)),
     "default": Profile("default", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0)),
     "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
                         3, (0.1, 1.0, 3.0, 8.0)),
@@ -73,7 +75,7 @@ def checked(values, allowed, what):
 
 def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
           masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
-          min_n_kv: int = 1) -> st.SearchStrategy[Case]:
+          min_n_kv: int = 1, square: bool = False, same_width: bool = False) -> st.SearchStrategy[Case]:
     """Attention cases for one profile.
 
     - ``dtypes``: dtype names drawn from, first one preferred when shrinking (default all four).
@@ -83,6 +85,7 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
       None draws both.
     - ``batch``: True forces leading batch/head dims, False forbids them, None draws both.
     - ``min_n_kv``: the fewest keys (probes that compare two keys need 2).
+    - ``square``: n_kv = n_q (for targets that do self-attention only); ``same_width``: d_v = d_k.
 
     Examples shrink towards one query, one key, width 1, float64, integer entries.
     """
@@ -102,7 +105,8 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     rest = st.fixed_dictionaries({
         "batch": batch_dims, "dtype": st.sampled_from(dtypes), "device": st.sampled_from(devices),
         "values": st.sampled_from(["integers", "normal"]), "magnitude": st.sampled_from(prof.magnitudes),
-        "mask": st.sampled_from(list(masks)), "seed": st.integers(0, 2**16)})
+        "mask": st.sampled_from(list(masks)), "seed": st.integers(0, 2**16),
+        "layout": st.sampled_from(["contiguous", "heads"])})
 
     @st.composite
     def draw(draw_):
@@ -118,7 +122,14 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
         elif cross is False:
             n_kv, d_v = n_q, d_k
         n_kv = max(n_kv, min_n_kv)
-        return Case(n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v, **draw_(rest))
+        if square:
+            n_q = n_kv = max(n_q, n_kv)
+        if same_width:
+            d_v = d_k
+        fields = draw_(rest)
+        if len(fields["batch"]) < 2:
+            fields["layout"] = "contiguous"  # the heads layout needs [..., B, H, n, d]
+        return Case(n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v, **fields)
 
     return draw()
 

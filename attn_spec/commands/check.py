@@ -20,13 +20,14 @@ Examples:
   attn-spec check my.py:attention --require mask autograd bfloat16
   attn-spec check my_kernel.py:attention --inference-only     # no backward: gradients is a skip
   attn-spec check chatty.py:attention -v                      # all that the target printed and warned
+  attn-spec check my.py:attention --masks bool,additive       # it takes additive float masks too
 
 Every setting can also come from an environment variable (ATTN_SPEC_PROFILE=quick, ...) or the
 [tool.attn-spec] table of pyproject.toml (profile = "quick"); the command line wins, then the
 environment, then the file. `attn-spec config` shows the effective settings and their sources.
 
-Exit status: 0 every target conforms, 1 a property fails, 2 usage error or a target
-that cannot be loaded (the others are still checked and reported).
+Exit status: 0 every target conforms, 1 a property fails or a target had nothing checked, 2 usage
+error or a target that cannot be loaded (the others are still checked and reported).
 """
 
 

@@ -45,10 +45,17 @@ class TargetReport:
     inference_only: bool = False  # declared an inference kernel: a missing backward is a skip
     state_changes: list = field(default_factory=list)  # global state the target changed: {state, change, during}
     output: dict = field(default_factory=dict)  # phase outside the properties ("import", "header probes") -> output
+    masks: list = field(default_factory=list)  # the mask forms the target was called with: bool, additive
+
+    @property
+    def checked(self) -> bool:
+        """Some property of the catalog ran on some input and passed (requirements do not count)."""
+        return any(p.status == "pass" and ":" not in p.id for p in self.properties)
 
     @property
     def conforms(self) -> bool:
-        return all(p.status in ("pass", "skip", "not-run") or p.expected for p in self.properties)
+        """Nothing failed, and something was checked: a target with every property skipped does not conform."""
+        return self.checked and all(p.status in ("pass", "skip", "not-run") or p.expected for p in self.properties)
 
     @property
     def failures(self) -> list[PropertyResult]:
@@ -69,11 +76,13 @@ class TargetReport:
                  f"{', '.join(p.id for p in expected)}") if expected else ""
         if self.conforms:
             return f"CONFORMS ({known})" if known else "CONFORMS"
+        if not self.failures and not self.checked:
+            return "NOTHING CHECKED (no property ran on any input the target takes)"
         return f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{'; ' + known if known else ''})"
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
-                "verdict": self.verdict,
+                "verdict": self.verdict, "checked": self.checked, "masks": list(self.masks),
                 "calls": self.calls, "behaviours": dict(self.behaviours),
                 "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
                 "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),

@@ -124,10 +124,14 @@ def header_lines(t: TargetReport) -> list[str]:
     if t.behaviours:
         lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items()))
     if t.capabilities:
-        has = [name for name, value in t.capabilities.items() if value == "yes"]
+        has = [name if value == "yes" else f"{name} ({value})" for name, value in t.capabilities.items()
+               if value not in ("no", "raises", "error", "n/a", "unchecked")]
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
+    if t.masks:
+        lines.append("masks: " + ", ".join(t.masks) + ("" if "additive" in t.masks else
+                                                        " (additive float masks: declare them with --masks bool,additive)"))
     if t.inference_only:
         lines.append("declared: an inference kernel (inference_only): a missing backward is a skip, not a failure")
     if t.state_changes:

@@ -11,6 +11,9 @@ key                       values
                           n/a where the caller's mask carries causality (function, module)
 ``weights-returned``      yes or no: whether the target's own API returns the weights with the
                           output (nn.MultiheadAttention does; the kit reads only the output)
+``gqa-grouping``          which KV head query head h reads in grouped-query attention (Hq = g * Hkv):
+                          blocked (h // g: ``repeat_interleave``, SDPA's ``enable_gqa``, Llama) or
+                          tile (h % Hkv: einops ``repeat(k, 'b h n d -> b (g h) n d')``); n/a without GQA
 ========================  ==================================================================
 
 A probe reports ``n/a`` when the target does not take what it needs (a mask, ``is_causal``),
@@ -22,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from attn_spec.checking.cases import DTYPES
-from attn_spec.errors import Failure, TargetRaised, Unsupported
-from attn_spec.errors import KitUsageError
+from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
+from attn_spec.targets.capabilities import supports
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 
 VALUES = {  # the values a user may require; a probe may also report "other" or "raises"
     "fully-masked": ("nan", "zeros", "uniform"),
@@ -31,6 +35,7 @@ VALUES = {  # the values a user may require; a probe may also report "other" or 
     "masked-nan": ("ignored", "propagates"),
     "causal-alignment": ("top-left", "bottom-right", "n/a"),
     "weights-returned": ("yes", "no"),
+    "gqa-grouping": ("blocked", "tile"),
 }
 
 
@@ -90,6 +95,28 @@ def causal_alignment(target, dtype, device) -> str:
     return "other"
 
 
+def gqa_grouping(target, dtype, device) -> str:
+    """Q with 4 heads over K, V with 2, one key each, V of KV head j = j + 1: each query head's output
+    names the KV head it reads: [1, 1, 2, 2] is blocked (h // g), [1, 2, 1, 2] is tile (h % Hkv)."""
+    if target.convention not in FUNCTION_CONVENTIONS:
+        return "n/a"  # multi-head modules take no head dims
+    q, k = torch.ones(4, 1, 1, dtype=dtype, device=device), torch.ones(2, 1, 1, dtype=dtype, device=device)
+    v = torch.tensor([1.0, 2.0], dtype=dtype, device=device).reshape(2, 1, 1)  # [Hkv=2, Tk=1, Dv=1]
+    mask = None if "none" in supports(target, device=device).masks else torch.ones(1, 1, dtype=torch.bool, device=device)
+    try:
+        heads = target.attend(q, k, v, mask).detach().to("cpu", torch.float64).flatten()  # [4]
+    except TargetRaised:  # unequal head counts do not broadcast: no grouped-query attention
+        return "n/a"
+    for name, expected in (("blocked", [1.0, 1.0, 2.0, 2.0]), ("tile", [1.0, 2.0, 1.0, 2.0])):
+        if torch.allclose(heads, torch.tensor(expected, dtype=torch.float64), atol=1e-2):
+            return name
+    return "other"
+
+
+PROBES = {"fully-masked": fully_masked, "mask-polarity": mask_polarity, "masked-nan": masked_nan,
+          "causal-alignment": causal_alignment, "gqa-grouping": gqa_grouping}
+
+
 def _safely(probe, target, dtype, device) -> str:
     try:
         return probe(target, dtype, device)
@@ -102,13 +129,22 @@ def _safely(probe, target, dtype, device) -> str:
 
 
 def probe_behaviours(target, dtype: str = "float32", device: str = "cpu") -> dict[str, str]:
-    """The behaviours of ``target`` (an adapter), probed on tiny inputs of one dtype and device."""
+    """The behaviours of ``target`` (an adapter), probed on tiny inputs of one dtype and device; kept on it."""
     torch_dtype = DTYPES[dtype]
-    found = {key: _safely(probe, target, torch_dtype, device)
-             for key, probe in (("fully-masked", fully_masked), ("mask-polarity", mask_polarity),
-                                ("masked-nan", masked_nan), ("causal-alignment", causal_alignment))}
+    found = {key: _safely(probe, target, torch_dtype, device) for key, probe in PROBES.items()}
     found["weights-returned"] = "yes" if target.convention == "torch-mha" else "no"  # the others return only out
+    found = {key: found[key] for key in VALUES}  # the documented order
+    target.behaviours = found
     return found
+
+
+def behaviour(target, key: str, dtype: str = "float32", device: str = "cpu") -> str:
+    """One behaviour of ``target``, probed on first use (unless a check probed them all already), then kept."""
+    if getattr(target, "behaviours", None) is None:
+        target.behaviours = {}
+    if key not in target.behaviours:
+        target.behaviours[key] = _safely(PROBES[key], target, DTYPES[dtype], device)
+    return target.behaviours[key]
 
 
 def parse_requirements(items) -> dict[str, str]:

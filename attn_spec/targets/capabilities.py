@@ -1,14 +1,17 @@
-"""Capabilities: what a target can be asked to do. Probed on tiny inputs and reported in the header.
+"""Capabilities: what a target can be asked to do. Probed first, on tiny inputs, and reported in the header.
 
-A target that lacks one (it takes no such argument, or raises ``NotImplementedError``) is not
-wrong: the properties that need it are skips with the reason. A user who needs it says so with
-``attn-spec check --require mask autograd``, and a missing capability becomes a failing result
-``capability:<name>``.
+A target that lacks one (it takes no such argument, or its own code raises ``NotImplementedError``
+or ``attn_spec.Unsupported``) is not wrong: the kit then draws only inputs the target takes (see
+:class:`Supports`), and the properties that need the rest are skips with the reason. A user who
+needs it says so with ``attn-spec check --require mask autograd``, and a missing capability becomes
+a failing result ``capability:<name>``.
 
 ==============  ==================================================================
 capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ==============  ==================================================================
-``mask``        a bool mask argument
+``mask``        a bool mask argument: a mask that is not causal, and a causal one;
+                ``causal-only`` when the target declines every mask but the causal one
+``unmasked``    a call without a mask (a causal-only module declines it)
 ``batch``       leading batch dims: Q, K, V [2, 2, 2]
 ``cross``       n_q != n_kv: K, V [3, 2] (self-attention-only modules lack it)
 ``dv-ne-dk``    values wider than keys: V [2, 3]
@@ -21,21 +24,42 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``bfloat16``
 ==============  ==================================================================
 
-Each probe yields ``yes``; ``no`` (the target declared or lacks it); ``raises`` (it raised some
-other exception, in its forward or its backward: the properties that use such inputs fail and say
-why); ``n/a``/``unchecked``; or ``error`` (a bug of the kit's own in that probe).
+Every probe but ``mask`` and ``unmasked`` runs with the mask the properties would give this
+target: none, or the causal one for a target that declines calls without a mask. Each probe
+yields ``yes``; ``no`` (the target declined or lacks it; for ``autograd``, an output detached
+from the graph); ``raises`` (it raised some other exception, in its forward or its backward: the
+properties that use such inputs fail and say why); ``n/a``/``unchecked``; or ``error`` (a bug of
+the kit's own in that probe).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import DTYPES
-from attn_spec.errors import Failure, NotDifferentiable, TargetRaised, Unsupported
-from attn_spec.errors import KitUsageError
+from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRaised, Unsupported
+from attn_spec.reference import causal_mask
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 
-CAPABILITIES = ("mask", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
+CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
                 "float64", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Supports:
+    """The inputs a target takes, from its capabilities: what the kit draws for it.
+
+    Only what the target *declined* is left out; inputs it crashes on are still drawn, so
+    that the properties using them fail and say why.
+    """
+
+    masks: tuple[str, ...] = ("none", "random", "causal")  # the mask kinds of a Case (strategies.MASK_KINDS)
+    cross: bool = True  # n_q != n_kv
+    batch: bool = True  # leading batch/head dims
+    dv_ne_dk: bool = True  # d_v != d_k
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
 
 
 def _t(*shape, dtype, device, seed=0):
@@ -43,55 +67,102 @@ def _t(*shape, dtype, device, seed=0):
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def _probes(target, dtype, device):
+def _outcome(call, raised: str = "raises") -> tuple[str, str]:
+    """("yes", "") or ("no" | "raises" | "error", why) for one probe call; ``raised``: the value when the target raises."""
+    try:
+        call()
+        return "yes", ""
+    except Unsupported as exc:
+        return "no", str(exc)
+    except TargetRaised as exc:
+        return raised, exc.message
+    except NotDifferentiable as exc:  # detached: the gradients property fails and says how
+        return "no", exc.message
+    except Failure as exc:  # a wrong shape or type: the properties say more
+        return "raises", exc.message
+    except Exception as exc:  # noqa: BLE001 - a bug of the kit's own: this probe only, the others still run
+        return "error", f"internal error in attn-spec: {type(exc).__name__}: {exc}"
+
+
+def _masks(target, dtype, device) -> dict:
+    """The ``unmasked`` and ``mask`` probes, on square inputs so that only the mask differs."""
+    q, k, v = (_t(2, 2, dtype=dtype, device=device, seed=s) for s in range(3))
+    causal = causal_mask(2, 2, device=device)  # [Tq, Tk], True = may attend
+    other = torch.tensor([[False, True], [True, True]], device=device)  # row 0 attends key 1 only: not causal
+    found = {"unmasked": _outcome(lambda: target.attend(q, k, v))}
+    with_causal, with_other = _outcome(lambda: target.attend(q, k, v, causal)), _outcome(lambda: target.attend(q, k, v, other))
+    if with_causal[0] == "yes" and with_other[0] == "no":
+        found["mask"] = ("causal-only", f"only causal masks: {with_other[1]}")
+    else:
+        found["mask"] = next((o for o in (with_other, with_causal) if o[0] in ("raises", "error")),
+                             next((o for o in (with_other, with_causal) if o[0] == "no"), ("yes", "")))
+    return found
+
+
+def _probes(target, dtype, device, masked: bool):
     """name -> a call that exercises that capability alone (every other input is the baseline)."""
     def t(*shape, seed=0, dt=dtype):
         return _t(*shape, dtype=dt, device=device, seed=seed)
 
+    def attend(q, k, v, **kwargs):  # the baseline mask: the causal one for targets that need a mask
+        mask = causal_mask(q.shape[-2], k.shape[-2], device=device) if masked else None
+        return target.attend(q, k, v, mask, **kwargs)
+
     q, k, v = t(2, 2), t(2, 2, seed=1), t(2, 2, seed=2)  # the baseline: [T=2, D=2] each
-    causal = torch.ones(2, 2, dtype=torch.bool, device=device).tril()  # [Tq, Tk], True = may attend
     probes = {
-        "mask": lambda: target.attend(q, k, v, causal),
-        "batch": lambda: target.attend(t(2, 2, 2), t(2, 2, 2, seed=1), t(2, 2, 2, seed=2)),
-        "cross": lambda: target.attend(q, t(3, 2, seed=1), t(3, 2, seed=2)),
-        "dv-ne-dk": lambda: target.attend(q, k, t(2, 3, seed=2)),
+        "batch": lambda: attend(t(2, 2, 2), t(2, 2, 2, seed=1), t(2, 2, 2, seed=2)),
+        "cross": lambda: attend(q, t(3, 2, seed=1), t(3, 2, seed=2)),
+        "dv-ne-dk": lambda: attend(q, k, t(2, 3, seed=2)),
         "scale": lambda: target.attend(q, k, v, scale=0.5),
         "is-causal": lambda: target.attend(q, k, v, is_causal=True),
-        "autograd": lambda: target.vjp(q, k, v, None, torch.ones_like(q)),
-        "gqa": lambda: target.attend(t(4, 2, 2), t(2, 2, 2, seed=1), t(2, 2, 2, seed=2)),
+        "autograd": lambda: target.vjp(q, k, v, causal_mask(2, 2, device=device) if masked else None,
+                                       torch.ones_like(q)),
+        "gqa": lambda: attend(t(4, 2, 2), t(2, 2, 2, seed=1), t(2, 2, 2, seed=2)),
     }
     for name in ("float64", "float16", "bfloat16"):
         dt = DTYPES[name]
-        probes[name] = lambda dt=dt: target.attend(t(2, 2, dt=dt), t(2, 2, seed=1, dt=dt), t(2, 2, seed=2, dt=dt))
+        probes[name] = lambda dt=dt: attend(t(2, 2, dt=dt), t(2, 2, seed=1, dt=dt), t(2, 2, seed=2, dt=dt))
     return probes
 
 
 def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tuple[dict, dict]:
     """(values, reasons): ``{"mask": "yes", "scale": "no", ...}`` and, for each capability that is not
-    ``yes``, why (the target's own words where it gave them)."""
+    ``yes``, why (the target's own words where it gave them). Also keeps what the target takes on
+    it (``target.supported``, see :func:`supports`)."""
     base = torch.float32 if "float32" in dtypes else DTYPES[dtypes[0]]
-    values, reasons = {}, {}
-    for name, call in _probes(target, base, device).items():
+    found = _masks(target, base, device)
+    masked = found["unmasked"][0] != "yes" and found["mask"][0] in ("yes", "causal-only")
+    for name, call in _probes(target, base, device, masked).items():
         if name in DTYPES and name not in dtypes:
-            values[name], reasons[name] = "unchecked", "not among the dtypes checked (--dtypes)"
-            continue
-        if name == "gqa" and target.convention not in FUNCTION_CONVENTIONS:
-            values[name], reasons[name] = "n/a", f"the {target.convention} convention has no head dims to group"
-            continue
-        try:
-            call()
-            values[name] = "yes"
-        except Unsupported as exc:
-            values[name], reasons[name] = "no", str(exc)
-        except TargetRaised as exc:  # GQA is opt-in: a target that cannot broadcast the heads lacks it
-            values[name], reasons[name] = ("no" if name == "gqa" else "raises"), exc.message
-        except NotDifferentiable as exc:  # detached: the gradients property fails and says how
-            values[name], reasons[name] = "no", exc.message
-        except Failure as exc:  # a wrong shape or type: the properties say more
-            values[name], reasons[name] = "raises", exc.message
-        except Exception as exc:  # noqa: BLE001 - a bug of the kit's own: this probe only, the others still run
-            values[name], reasons[name] = "error", f"internal error in attn-spec: {type(exc).__name__}: {exc}"
+            found[name] = ("unchecked", "not among the dtypes checked (--dtypes)")
+        elif name == "gqa" and target.convention not in FUNCTION_CONVENTIONS:
+            found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
+        else:
+            found[name] = _outcome(call, "no" if name == "gqa" else "raises")  # GQA is opt-in: raising = lacking it
+    values = {name: found[name][0] for name in CAPABILITIES}
+    reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
+    target.supported = _supports(values, reasons)
     return values, reasons
+
+
+def _supports(values: dict, reasons: dict) -> Supports:
+    """What to draw for a target with these capabilities: everything but what it declined."""
+    declined = {name for name, value in values.items() if value == "no"}
+    masks = tuple(kind for kind, takes in (("none", "unmasked" not in declined),
+                                           ("random", values["mask"] not in ("no", "causal-only")),
+                                           ("causal", "mask" not in declined)) if takes)
+    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk") if name in reasons
+           and (name in declined or values[name] == "causal-only")}
+    return Supports(masks=masks, cross="cross" not in declined, batch="batch" not in declined,
+                    dv_ne_dk="dv-ne-dk" not in declined,
+                    dtypes=tuple(name for name in DTYPES if name not in declined), why=why)
+
+
+def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
+    """What ``target`` takes: probed once (on its first use, unless a check probed it already), then kept."""
+    if getattr(target, "supported", None) is None:
+        probe_capabilities(target, dtypes, device)
+    return target.supported
 
 
 def parse_capabilities(items) -> list[str]:

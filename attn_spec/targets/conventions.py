@@ -3,7 +3,8 @@
 Properties never touch the user's object. They call
 
 - ``target.attend(q, k, v, mask=None) -> out``: attention on Q [..., Tq, Dk], K [..., Tk, Dk],
-  V [..., Tk, Dv], bool mask broadcastable to [..., Tq, Tk] with True = may attend;
+  V [..., Tk, Dv], bool mask broadcastable to [..., Tq, Tk] with True = may attend (or, for a
+  target whose ``masks`` include "additive", a float mask added to the scaled scores);
 - ``target.multihead(x_q, x_kv, weights, n_heads, mask=None) -> out``: a multi-head module
   built as ``Cls(d_model, n_heads)`` with the given projection weights (``module`` only).
 
@@ -18,6 +19,12 @@ Conventions:
   ``W_V``, ``W_O`` and ``forward(x_q [Tq, D], x_kv [Tk, D], mask=None)``.
 - ``torch-mha``: ``torch.nn.MultiheadAttention`` (the class, an instance, or a factory).
 - ``adapter``: any other module, through a user-written ``ModuleAdapter`` (module_adapters.py).
+Masks: every convention takes bool masks (True = may attend). Additive float masks (0 where a
+key may be attended, -inf where not, any finite bias) are part of the ``sdpa`` and ``torch-mha``
+contracts; a ``function``, ``module`` or ``adapter`` target gets them only when its user declares
+them (``masks=("bool", "additive")``, ``--masks bool,additive``). A target declared with
+``masks=("additive",)`` gets each bool mask as the equivalent 0 / -inf float mask.
+
 The last three are multi-head modules: ``attend`` embeds plain attention in them with one head,
 identity projections and Q scaled by 2^m where D = 4^m * Dk, so that the module's own
 1/sqrt(D) becomes exactly 1/sqrt(Dk) with no rounding.
@@ -25,6 +32,7 @@ identity projections and Q scaled by 2^m where D = 4^m * Dk, so that the module'
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -34,13 +42,28 @@ from attn_spec.errors import KitUsageError, NotDifferentiable, TargetLoadError, 
 from attn_spec.targets.capture import capture
 from attn_spec.targets.detached import how_detached
 from attn_spec.targets.guard import StateGuard, passes_through
-from attn_spec.targets.loading import load_target, spec_of, user_traceback
+from attn_spec.targets.loading import load_target, raised_on_purpose, spec_of, user_traceback
 from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
 CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
 FUNCTION_CONVENTIONS = ("function", "sdpa")  # attention on Q, K, V directly
 MULTIHEAD_CONVENTIONS = ("module", "torch-mha", "adapter")  # modules with projections
 PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
+MASK_FORMS = ("bool", "additive")  # what a target may be called with as its mask
+
+
+def parse_masks(masks) -> tuple[str, ...] | None:
+    """``"bool,additive"`` or ``["bool", "additive"]`` -> ``("bool", "additive")``; None stays None
+    (the convention's default). Anything else is a usage error."""
+    if masks is None:
+        return None
+    items = masks.replace(",", " ").split() if isinstance(masks, str) else [
+        item for entry in masks for item in str(entry).replace(",", " ").split()]
+    bad = [item for item in items if item not in MASK_FORMS]
+    if bad or not items:
+        raise KitUsageError(f"masks={list(items)}, but each must be one of {', '.join(MASK_FORMS)} "
+                            f"(e.g. --masks bool,additive)")
+    return tuple(dict.fromkeys(items))
 
 
 def _call(fn, args, call: str, state: StateGuard):
@@ -48,14 +71,24 @@ def _call(fn, args, call: str, state: StateGuard):
 
     Every exception is the target's, BaseExceptions too (SystemExit, GeneratorExit, a
     KeyboardInterrupt it raises itself), except the user's Ctrl-C and the kit's own signals.
+    Only the user's own ``raise NotImplementedError`` (or ``raise attn_spec.Unsupported``) declares
+    an input unsupported; a NotImplementedError from inside torch or another library is a crash.
     ``state`` restores the global state the call changed. Autograd follows the caller's mode:
     off by default, on inside ``Target.vjp``.
     """
     try:
         with state.call(call):
             return fn(*args)
+    except Unsupported as exc:  # attn_spec.Unsupported, raised by the target to decline this input
+        raise Unsupported(f"{call} declined: {exc}", total=exc.total) from None
     except NotImplementedError as exc:
-        raise Unsupported(f"{call} raised NotImplementedError: {exc}") from None
+        if raised_on_purpose(exc):
+            raise Unsupported(f"{call} raised NotImplementedError: {exc}") from None
+        raised = TargetRaised(exc, call, user_traceback(exc))
+        raised.cause = ("a NotImplementedError raised inside torch or another library is a crash, not a "
+                        "declaration: the target's own code must raise it (or attn_spec.Unsupported) to decline "
+                        "an input")
+        raise raised from None
     except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a finding
         if passes_through(exc):
             raise
@@ -74,7 +107,8 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
 
 
 class Target:
-    """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it.
+    """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it;
+    ``masks`` the mask forms it may be called with (MASK_FORMS).
 
     ``inference_only``: the user declared an inference kernel, so a missing backward is a skip
     (``--inference-only``). ``state`` restores the global state each call changes and keeps what
@@ -82,9 +116,13 @@ class Target:
     """
 
     convention = "?"
+    default_masks = ("bool",)
 
-    def __init__(self, obj, name: str, *, inference_only: bool = False):
+    def __init__(self, obj, name: str, masks=None, *, inference_only: bool = False):
         self.obj, self.name, self.calls, self.inference_only = obj, name, 0, inference_only
+        self.masks = parse_masks(masks) or self.default_masks
+        self.supported = None  # what it takes, once probed (attn_spec.targets.capabilities.supports)
+        self.behaviours = None  # its probed behaviours, once probed (attn_spec.targets.behaviours)
         self.state = StateGuard()
         self.output: dict[str, dict] = {}  # phase before the checks (the import) -> captured output
         self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.diagnosis.record)
@@ -100,8 +138,22 @@ class Target:
 
     def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False) -> torch.Tensor:
         """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported)."""
+        mask = self._mask_for_call(mask, q.dtype)
         with torch.no_grad():
             return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal)
+
+    def _mask_for_call(self, mask, dtype):
+        """The mask in a form the target was promised: a float mask only where declared."""
+        if mask is None:
+            return None
+        if mask.dtype == torch.bool:
+            if "bool" in self.masks:
+                return mask
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+        if "additive" not in self.masks:
+            raise Unsupported(f"additive float masks are not part of the {self.convention} convention: the target "
+                              f"gets bool masks only (declare them with --masks bool,additive)", total=True)
+        return mask
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
         raise NotImplementedError  # sanity check: every convention implements it
@@ -128,6 +180,7 @@ class Target:
 
     def _vjp(self, q, k, v, mask, grad_out):
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        mask = self._mask_for_call(mask, q.dtype)
         with torch.enable_grad():
             out = self._attend(*leaves, mask)
             if not out.requires_grad:
@@ -210,8 +263,8 @@ class FunctionTarget(Target):
 
     convention = "function"
 
-    def __init__(self, obj, name, **kwargs):
-        super().__init__(obj, name, **kwargs)
+    def __init__(self, obj, name, masks=None, **kwargs):
+        super().__init__(obj, name, masks, **kwargs)
         self.takes_mask = positional_capacity(obj) >= 4
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
@@ -230,9 +283,10 @@ class SdpaTarget(Target):
     """``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)``."""
 
     convention = "sdpa"
+    default_masks = MASK_FORMS  # attn_mask is bool or additive float in SDPA's contract
 
-    def __init__(self, obj, name, **kwargs):
-        super().__init__(obj, name, **kwargs)
+    def __init__(self, obj, name, masks=None, **kwargs):
+        super().__init__(obj, name, masks, **kwargs)
         self.accepts = set(parameter_names(obj) or ())
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
@@ -256,8 +310,10 @@ class SdpaTarget(Target):
 class ModuleTarget(Target):
     """A multi-head module, driven through a :class:`ModuleAdapter` (build, load weights, call)."""
 
-    def __init__(self, adapter: ModuleAdapter, name: str, convention: str = "module", **kwargs):
-        super().__init__(adapter, name, **kwargs)
+    def __init__(self, adapter: ModuleAdapter, name: str, convention: str = "module", masks=None, **kwargs):
+        if convention == "torch-mha":  # nn.MultiheadAttention takes additive float masks too
+            self.default_masks = MASK_FORMS
+        super().__init__(adapter, name, masks, **kwargs)
         self.adapter, self.convention = adapter, convention
         self._modules = {}  # (d_model, n_heads, dtype, device) -> instance; weights are reloaded per call
 
@@ -267,6 +323,8 @@ class ModuleTarget(Target):
     def _build(self, d_model, n_heads, weights, dtype, device):
         key = (d_model, n_heads, dtype, str(device))
         if key not in self._modules:
+            if len(self._modules) >= 16:  # a module may hold big buffers (nanoGPT's causal mask): keep the newest
+                del self._modules[next(iter(self._modules))]
             self._modules[key] = _call(self._new_module, (d_model, n_heads, dtype, device),
                                        f"{self.name}({d_model}, {n_heads})", self.state)
         module = self._modules[key]
@@ -300,6 +358,7 @@ class ModuleTarget(Target):
                     p.grad = None
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):
+        mask = self._mask_for_call(mask, x_q.dtype)
         with torch.no_grad():
             return self._multihead(x_q, x_kv, weights, n_heads, mask)
 
@@ -391,27 +450,28 @@ def detect_convention(obj) -> str:
         f"a factory (d_model, n_heads) -> nn.MultiheadAttention; adapter = a ModuleAdapter subclass.")
 
 
-def make_target(obj, name: str | None = None, convention: str | None = None, *, inference_only: bool = False,
-                state: StateGuard | None = None) -> Target:
-    """The adapter for ``obj``. ``inference_only``: see :class:`Target`; ``state``: a guard that already
-    holds what importing ``obj`` changed. An adapter class that raises when instantiated is a TargetLoadError."""
+def make_target(obj, name: str | None = None, convention: str | None = None, masks=None, *,
+                inference_only: bool = False, state: StateGuard | None = None) -> Target:
+    """The adapter for ``obj``. ``masks``: the mask forms it takes (default: its convention's, see
+    MASK_FORMS); ``inference_only``: see :class:`Target`; ``state``: a guard that already holds what
+    importing ``obj`` changed. An adapter class that raises when instantiated is a TargetLoadError."""
     name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
     convention = convention or detect_convention(obj)
     if convention not in CONVENTIONS:
-            raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
+        raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
     kwargs = {"inference_only": inference_only}
     if convention == "function":
-        target = FunctionTarget(obj, name, **kwargs)
+        target = FunctionTarget(obj, name, masks, **kwargs)
     elif convention == "sdpa":
-        target = SdpaTarget(obj, name, **kwargs)
+        target = SdpaTarget(obj, name, masks, **kwargs)
     elif convention == "module":
-        target = ModuleTarget(SeedAdapter(obj), name, **kwargs)
+        target = ModuleTarget(SeedAdapter(obj), name, masks=masks, **kwargs)
     elif convention == "torch-mha":
         adapter = TorchMhaAdapter.from_instance(obj, name) if isinstance(obj, torch.nn.Module) \
             else TorchMhaAdapter(obj, name=name)
-        target = ModuleTarget(adapter, name, "torch-mha", **kwargs)
+        target = ModuleTarget(adapter, name, "torch-mha", masks, **kwargs)
     else:
-        target = ModuleTarget(_instance(obj, name, state or StateGuard()), name, "adapter", **kwargs)
+        target = ModuleTarget(_instance(obj, name, state or StateGuard()), name, "adapter", masks, **kwargs)
     target.state = state or target.state
     return target
 
@@ -427,15 +487,15 @@ def _instance(adapter, name: str, state: StateGuard):
 
 
 def load(spec: str, convention: str | None = None, *, name: str | None = None, root: str | None = None,
-         inference_only: bool = False, verbose: bool = False) -> Target:
-    """Import the TARGET ``spec`` (``root``: see load_target) and wrap it. What the import printed is kept
-    (``target.output["import"]``); the global state it changed is restored and noted. Raises
-    TargetLoadError (or KitUsageError: no convention fits)."""
+         masks=None, inference_only: bool = False, verbose: bool = False) -> Target:
+    """Import the TARGET ``spec`` (``root``: see load_target) and wrap it (``masks``: see make_target). What
+    the import printed is kept (``target.output["import"]``); the global state it changed is restored and
+    noted. Raises TargetLoadError (or KitUsageError: no convention fits)."""
     state = StateGuard()
     with capture() as output:
         with state.call(f"importing {spec}"):
             obj = load_target(spec, root=root)
-        target = make_target(obj, name or spec, convention, inference_only=inference_only, state=state)
+        target = make_target(obj, name or spec, convention, masks, inference_only=inference_only, state=state)
     if output.summary():
         target.output["import"] = output.summary(verbose)
     return target

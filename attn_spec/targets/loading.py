@@ -1,11 +1,15 @@
 """Turn ``path/to/file.py:name`` or ``package.module:name`` into the user's object."""
 from __future__ import annotations
 
+import dis
+import functools
 import hashlib
 import importlib
 import importlib.util
 import os
+import site
 import sys
+import sysconfig
 import traceback
 from pathlib import Path
 
@@ -23,6 +27,35 @@ def user_traceback(exc: BaseException) -> str:
         [f for f in te.stack if not f.filename.startswith(kit) and "importlib" not in f.filename
          and "<frozen" not in f.filename])
     return "".join(te.format()).rstrip()
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed code lives: the standard library, site-packages, torch and the kit itself."""
+    import torch
+
+    dirs = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    dirs.update((site.getusersitepackages(), os.path.dirname(torch.__file__), str(Path(__file__).resolve().parents[1])))
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def raised_on_purpose(exc: BaseException) -> bool:
+    """True when ``exc`` comes from a ``raise`` statement in the user's own code.
+
+    The innermost frame of its traceback must be a file outside the standard library,
+    site-packages, torch and the kit, stopped at a ``raise``: a ``NotImplementedError`` from a
+    torch kernel (``Could not run 'aten::...'``) also surfaces on the user's line, but at a call.
+    """
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if os.path.realpath(code.co_filename).startswith(_library_dirs()) or code.co_filename.startswith("<frozen"):
+        return False
+    return any(i.offset == tb.tb_lasti and i.opname.startswith("RAISE") for i in dis.get_instructions(code))
 
 
 def _import_file(path: Path):

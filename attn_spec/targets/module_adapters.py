@@ -4,7 +4,10 @@ To check a module the kit does not know, write a ``ModuleAdapter`` in a few line
 build it for ``(d_model, n_heads)``, how to load four projection weights into it, and how to
 call it. Then ``attn-spec check my_adapters.py:MyAdapter`` (an adapter class or instance is
 detected as the ``adapter`` convention). Weights follow ``nn.Linear``: y = x W^T, each [D, D].
-Masks arrive as bool [n_q, n_kv] with True = may attend, or None.
+Masks arrive as bool [n_q, n_kv] with True = may attend, or None (and, when the user declares
+additive masks with ``--masks bool,additive``, also as float masks to add to the scaled scores).
+To decline an input the module cannot take (a mask it does not apply, a shape it does not
+handle), raise ``NotImplementedError`` (or ``attn_spec.Unsupported``) from ``forward``.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ class SeedAdapter(ModuleAdapter):
 
 
 class TorchMhaAdapter(ModuleAdapter):
-    """``torch.nn.MultiheadAttention``: packed ``in_proj_weight``, ``out_proj``, bool masks with True = *ignore*.
+    """``torch.nn.MultiheadAttention``: packed ``in_proj_weight``, ``out_proj``, bool masks with True = *ignore*
+    (float masks are additive, as in SDPA).
 
     ``factory(d_model, n_heads)`` builds an instance (the class itself, a function, or a copy of
     a given instance's settings). A mask whose rows are all equal goes in as ``key_padding_mask``,
@@ -87,7 +91,9 @@ class TorchMhaAdapter(ModuleAdapter):
         dim = 0 if batch_first else 1
         q, kv = x_q.unsqueeze(dim), x_kv.unsqueeze(dim)  # [1, T, D] or [T, 1, D]
         kwargs = {"need_weights": False}
-        if mask is not None:
+        if mask is not None and mask.dtype != torch.bool:
+            kwargs["attn_mask"] = mask  # [Tq, Tk] additive float mask: MHA adds it to the scores as is
+        elif mask is not None:
             if bool((mask == mask[:1]).all()):
                 kwargs["key_padding_mask"] = ~mask[:1]  # [1, Tk], True = ignore
             else:

@@ -11,8 +11,11 @@
   pass on them: each fails at one root (``matches-reference``, or ``determinism`` for random
   numbers), every other property as vacuous, explained by it. Those with a
   mistake model are also in ``BUGGY``; all count in the kill count.
+- ``LIBRARY``: real-library-style targets as users wrap them (torch's SDPA backends,
+  ``nn.MultiheadAttention``, a Hugging Face module, nanoGPT's causal module, GQA in either
+  grouping, code that reads masks as bool): they must conform in one multi-target check.
 
-Each module of this package registers its entries with ``@correct`` and ``@buggy``.
+Each module of this package registers its entries with ``@correct``, ``@buggy`` and ``@library``.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class Entry:
     catches: tuple[str, ...] = ()  # property ids that must fail; empty for a correct variant
     bug: str = ""  # what is wrong, in one line
     mistake: str = ""  # the mistake model the diagnosis must name (attn_spec.diagnosis)
+    masks: tuple[str, ...] | None = None  # the mask forms it is checked with (None: its convention's)
 
     def __str__(self) -> str:  # readable pytest ids
         return self.name
@@ -35,6 +39,7 @@ class Entry:
 CORRECT: list[Entry] = []
 BUGGY: list[Entry] = []
 TRIVIAL: list[Entry] = []
+LIBRARY: list[Entry] = []
 
 
 def correct(convention: str = "function", name: str | None = None):
@@ -44,9 +49,9 @@ def correct(convention: str = "function", name: str | None = None):
     return register
 
 
-def buggy(*catches: str, bug: str, mistake: str = "", convention: str = "function"):
+def buggy(*catches: str, bug: str, mistake: str = "", convention: str = "function", masks=None):
     def register(obj):
-        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug, mistake))
+        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug, mistake, masks))
         return obj
     return register
 
@@ -61,4 +66,11 @@ def trivial(*, bug: str, mistake: str = ""):
     return register
 
 
-from gallery import core, masking, robustness, trivial_targets  # noqa: E402,F401  - registers the entries
+def library(convention: str = "function", name: str | None = None):
+    def register(obj):
+        LIBRARY.append(Entry(name or obj.__name__, obj, convention))
+        return obj
+    return register
+
+
+from gallery import core, libraries, masking, robustness, trivial_targets  # noqa: E402,F401  - registers the entries

@@ -149,6 +149,16 @@ def sigmoid_weights(Q, K, V, mask=None):
     return torch.sigmoid(_masked(_scores(Q, K), mask)) @ V
 
 
+@buggy("matches-reference", mistake="softmax-over-queries", bug="softmax(dim=2): the key axis of [B, n_q, n_kv] scores, but the query axis of "
+       "[B, H, n_q, n_kv] (wrong only for 4-D inputs)")
+def softmax_dim_2(Q, K, V, mask=None):
+    unbatched = Q.dim() == 2  # 2-D inputs get a batch dim, so that dim 2 is the key axis
+    if unbatched:
+        Q, K, V, mask = Q[None], K[None], V[None], None if mask is None else mask[None]
+    out = torch.softmax(_masked(_scores(Q, K), mask), dim=2).nan_to_num(0.0) @ V
+    return out[0] if unbatched else out
+
+
 # ---------------------------------------------------------------- bugs: masks
 
 

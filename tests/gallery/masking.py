@@ -27,8 +27,6 @@ def skips_masked_keys(Q, K, V, mask=None):
     """Each query attends only the keys its mask row allows: masked K/V are never read."""
     if mask is None:
         return seed_function(Q, K, V)
-    if mask.dtype != torch.bool:  # the function convention's masks are bool: say so instead of misreading
-        raise NotImplementedError("only bool masks (True = may attend)")
     batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2], mask.shape[:-2])
     Q, K, V = (t.expand(*batch, *t.shape[-2:]) for t in (Q, K, V))
     if mask.dim() > 2:
@@ -56,7 +54,26 @@ def zero_for_empty_rows(Q, K, V, mask=None):
     return _softmax_rows(_masked(_scores(Q, K), mask)) @ V
 
 
+@correct()
+def mask_eq_zero_idiom(Q, K, V, mask=None):
+    """The tutorials' idiom, masked_fill(mask == 0, ...), with a fill every dtype holds: right on bool masks,
+    which is all the function convention promises."""
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1) @ V
+
+
 # ---------------------------------------------------------------- bugs: masks
+
+
+@buggy("causal-mask", "mask-semantics", "matches-reference",
+       bug="the masked path crashes inside torch with NotImplementedError (a sparse mask), which is no declaration")
+def sparse_mask(Q, K, V, mask=None):
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to_sparse(), NEG_INF)  # aten::bitwise_not has no sparse kernel
+    return torch.softmax(scores, dim=-1) @ V
 
 
 @buggy("mask-semantics", "rows-sum-to-one",

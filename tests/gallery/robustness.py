@@ -346,10 +346,14 @@ def _gqa(Q, K, V, mask, repeat_kv):
     return seed_function(Q, K, V, mask)
 
 
-@buggy("gqa-equivalence",
-       mistake="gqa-tiled", bug="K/V heads tiled with repeat ([h0, h1, h0, h1]) instead of repeat_interleave")
-def gqa_tiled_heads(Q, K, V, mask=None):
-    return _gqa(Q, K, V, mask, lambda t, n: t.repeat(*([1] * (t.dim() - 3)), n // t.shape[-3], 1, 1))
+@correct()
+def gqa_tile_grouped(Q, K, V, mask=None):
+    """GQA with K/V heads tiled as einops' repeat(k, 'b h n d -> b (g h) n d') does: query head h reads
+    KV head h % Hkv. A convention (gqa-grouping=tile in the header), not a bug."""
+    def tile(t, n_heads):  # [..., Hkv, T, D] -> [..., g * Hkv, T, D]: heads [h0, h1, h0, h1]
+        g = n_heads // t.shape[-3]
+        return t.unsqueeze(-4).expand(*t.shape[:-3], g, *t.shape[-3:]).flatten(-4, -3)
+    return _gqa(Q, K, V, mask, tile)
 
 
 @buggy("gqa-equivalence",

@@ -1,0 +1,69 @@
+"""Draw what the target takes: a property's cases fitted to the target's probed capabilities.
+
+A target that declines some inputs is checked on the inputs it takes, not skipped: a causal-only
+module (nanoGPT's, which applies its own causal mask) declines calls without a mask and every
+other mask, so it gets causal self-attention cases; a self-attention module gets n_q = n_kv. A
+property that needs what the target declines is reported as not checked, with the target's
+reason (:class:`NotCheckable`). Inputs a target *crashes* on are still drawn: those failures are
+findings (see :class:`attn_spec.targets.capabilities.Supports`).
+"""
+from __future__ import annotations
+
+from attn_spec.checking.cases import Case
+
+MASK_NAMES = {"none": "calls without a mask", "random": "masks that are not causal", "causal": "causal masks"}
+
+
+class NotCheckable(Exception):
+    """The property needs inputs the target declines; ``str()`` says which, and the target's reason."""
+
+
+def _why(supports, *names) -> str:
+    reasons = [supports.why[name] for name in names if supports.why.get(name)]
+    return f" ({reasons[0]})" if reasons else ""
+
+
+def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[str]]:
+    """(strategy options, dtypes, notes): the options that draw only inputs the target takes, the dtypes
+    among ``dtypes`` it takes, and what is left undrawn as a result; NotCheckable when nothing is left."""
+    options, notes = {}, []
+    wanted = tuple(prop.case_options.get("masks", MASK_NAMES))
+    masks = tuple(kind for kind in wanted if kind in supports.masks)
+    declined = [MASK_NAMES[kind] for kind in wanted if kind not in masks]
+    if not masks:
+        raise NotCheckable(f"it needs {' or '.join(declined)}, which the target declines{_why(supports, 'mask', 'unmasked')}")
+    if declined:
+        notes.append(f"{', '.join(declined)}{_why(supports, 'unmasked' if 'none' not in masks else 'mask')}")
+    options["masks"] = masks
+    taken = [d for d in dtypes if d in supports.dtypes]
+    if not taken:
+        raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
+    if not prop.uses_multihead(convention):  # multi-head cases fit themselves (properties.core.cross_or_self)
+        needs_cross, needs_batch = prop.case_options.get("cross"), prop.case_options.get("batch")
+        for ok, needed, option, what, capability in (
+                (supports.cross, needs_cross, "square", "n_q != n_kv", "cross"),
+                (supports.batch, needs_batch, "batch", "leading batch/head dims", "batch"),
+                (supports.dv_ne_dk, needs_cross, "same_width", "d_v != d_k", "dv-ne-dk")):
+            if ok:
+                continue
+            if needed:
+                raise NotCheckable(f"it needs {what}, which the target declines{_why(supports, capability)}")
+            options[option] = False if option == "batch" else True
+            notes.append(f"{what}{_why(supports, capability)}")
+    return options, taken, notes
+
+
+def fit_case(case, options: dict, supports):
+    """An explicit example made into one the target takes (None if its dtype is declined)."""
+    if case.dtype not in supports.dtypes:
+        return None
+    if case.mask not in options["masks"]:
+        case = case.replace(mask="causal" if "causal" in options["masks"] else options["masks"][0])
+    if isinstance(case, Case):
+        if options.get("square"):
+            case = case.replace(n_q=max(case.n_q, case.n_kv), n_kv=max(case.n_q, case.n_kv))
+        if options.get("batch") is False:
+            case = case.replace(batch=(), layout="contiguous")
+        if options.get("same_width"):
+            case = case.replace(d_v=case.d_k)
+    return case
