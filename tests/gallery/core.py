@@ -320,13 +320,16 @@ correct("sdpa")(F.scaled_dot_product_attention)
 
 @correct("sdpa")
 def sdpa_bottom_right_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """FlashAttention >= 2.1's causal alignment (a convention, reported, not a bug); empty rows give 0."""
+    """FlashAttention >= 2.1's causal alignment (a convention, reported, not a bug); empty rows give 0.
+    Masks are bool (True = may attend) or additive float, as SDPA's."""
     if is_causal:
         attn_mask = reference.causal_mask(query.shape[-2], key.shape[-2], alignment="bottom-right", device=query.device)
     if attn_mask is None:
         return F.scaled_dot_product_attention(query, key, value, scale=scale)
-    has_key = attn_mask.any(dim=-1, keepdim=True)  # [..., Tq, 1]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask | ~has_key, scale=scale)
+    allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")  # [..., Tq, Tk]
+    has_key = allowed.any(dim=-1, keepdim=True)  # [..., Tq, 1]
+    attn_mask = attn_mask | ~has_key if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~has_key, 0.0)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale)
     return out * has_key
 
 

@@ -116,8 +116,9 @@ def _additive(mask, dtype):
     return mask
 
 
-@buggy("mask-semantics",
-       mistake="mask-scaled-with-scores", bug="additive mask scaled with the scores ((QK^T + mask) / sqrt(d_k))")
+@buggy("mask-semantics", mistake="mask-scaled-with-scores",
+       bug="additive mask scaled with the scores ((QK^T + mask) / sqrt(d_k)); it takes float masks too, declared "
+           "(on a bool mask, turned into 0 / -inf, the scaling does no harm)", masks=("bool", "additive"))
 def scaled_additive_mask(Q, K, V, mask=None):
     scores = Q @ K.transpose(-2, -1)
     if mask is not None:
