@@ -85,7 +85,7 @@ def test_unknown_mask_forms_are_usage_errors(capsys):
     with pytest.raises(KitUsageError, match="bool, additive"):
         attn_spec.check(einsum_bool_mask, masks="float", **QUICK)
     assert main(["check", "gallery.libraries:einsum_bool_mask", "--masks", "bool,floats"]) == 2
-    assert "each must be one of bool, additive" in capsys.readouterr().err
+    assert "'floats' is not one of bool, additive" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- GQA grouping (a behaviour)
