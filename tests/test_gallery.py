@@ -11,7 +11,10 @@ from gallery.libraries import hugging_face_vit
 SEED = 20261129
 # Entries whose one root does not (yet) name their declared mistake, listed so that a regression (or a
 # fix) of the diagnosis shows: each must stay undiagnosed until it is removed from this list.
-UNDIAGNOSED: set[str] = set()
+UNDIAGNOSED: set[str] = {
+    "sparse_mask",  # a crash inside torch: one root (rows-sum-to-one, with its traceback), but no mistake model
+    "NanoGPTInvertedMask",  # one root, unnamed: mask-inverted models a mask argument, not a module's own buffer
+}
 
 
 @pytest.mark.parametrize("profile", ["quick", "default"])
