@@ -11,7 +11,8 @@ mask that masks a key, two batch elements) and calls the others :class:`~attn_sp
 which makes the runner draw another case.
 
 The probe is the same for every property: small square inputs (so that an output that is V or Q
-has the right shape), once as they are, once again, and once with each of Q, K, V replaced by a
+has the right shape; under a causal mask for a target that declines calls without one, such as
+nanoGPT's causal module), once as they are, once again, and once with each of Q, K, V replaced by a
 fresh draw, on the case's device, in its dtype (float32 for float16 and bfloat16 cases when the
 target takes it: their budgets are too wide for the probe to tell). A correct attention's output
 moves as the reference's does, by far more than the budget; an output that moves by no more than
@@ -30,6 +31,7 @@ from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import MhaCase
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 from attn_spec.errors import Failure, Unsupported
+from attn_spec.targets.capabilities import supports
 
 SIZE = 4  # the probe's lengths and widths
 TRIVIALLY = ", so this property would hold only trivially"
@@ -86,34 +88,42 @@ def _sampled(run, noisy: bool):
     return outs.mean(dim=0), (outs.std(dim=0) / NOISY_CALLS ** 0.5 if noisy else torch.zeros_like(outs[0]))
 
 
+def _mask(target, case):
+    """None, or the causal mask [SIZE, SIZE] for a target that declines calls without a mask."""
+    return None if "none" in supports(target, device=case.device).masks else \
+        reference.causal_mask(SIZE, SIZE, device=case.device)
+
+
 def _probe_function(target, case) -> dict | None:
     q, k, v, *fresh = _draws(case, SEED, *[(SIZE, SIZE)] * 6)  # [T, D] each
     v, fresh[2] = 8 * v, 8 * fresh[2]  # values far apart: replacing V moves the output far beyond any noise
-    noisy = _varies(target.attend(q, k, v), target.attend(q, k, v))
-    base, ref = _sampled(lambda: target.attend(q, k, v), noisy), reference.attention(q, k, v)[0]
+    mask = _mask(target, case)  # None, or [T, T] causal
+    noisy = _varies(target.attend(q, k, v, mask), target.attend(q, k, v, mask))
+    base, ref = _sampled(lambda: target.attend(q, k, v, mask), noisy), reference.attention(q, k, v, mask)[0]
     changes = []
     for i, name in enumerate("QKV"):
         args = [q, k, v]
         args[i] = fresh[i]
-        moved, ref_moved = _sampled(lambda: target.attend(*args), noisy), reference.attention(*args)[0]
-        allowed = max(budget(q, k, v, None, ref), budget(*args, None, ref_moved))
+        moved, ref_moved = _sampled(lambda: target.attend(*args, mask), noisy), reference.attention(*args, mask)[0]
+        allowed = max(budget(q, k, v, mask, ref), budget(*args, mask, ref_moved))
         changes.append((name, moved, base, ref_moved, ref, allowed))
-    return _verdict(changes, noisy, "attention(Q, K, V)")
+    return _verdict(changes, noisy, "attention(Q, K, V)" if mask is None else "attention(Q, K, V, causal mask)")
 
 
 def _probe_module(target, case) -> dict | None:
     weights = case.tensors()[2]
     x, fresh = _draws(case, SEED, (SIZE, case.d_model), (SIZE, case.d_model))  # [T, D]
-    h, w = case.n_heads, list(weights.values())
+    h, w, mask = case.n_heads, list(weights.values()), _mask(target, case)  # mask: None, or [T, T] causal
 
     def run(inputs):
-        return lambda: target.multihead(inputs, inputs, weights, h)
+        return lambda: target.multihead(inputs, inputs, weights, h, mask)
     noisy = _varies(run(x)(), run(x)())
     base, moved = _sampled(run(x), noisy), _sampled(run(fresh), noisy)
-    ref, ref_moved = reference.multihead(x, x, *w, h)[0], reference.multihead(fresh, fresh, *w, h)[0]
-    allowed = max(multihead_budget(x, x, weights, h, None, ref), multihead_budget(fresh, fresh, weights, h, None,
+    ref, ref_moved = reference.multihead(x, x, *w, h, mask)[0], reference.multihead(fresh, fresh, *w, h, mask)[0]
+    allowed = max(multihead_budget(x, x, weights, h, mask, ref), multihead_budget(fresh, fresh, weights, h, mask,
                                                                                    ref_moved))
-    return _verdict([("x", moved, base, ref_moved, ref, allowed)], noisy, "forward(x, x)")
+    return _verdict([("x", moved, base, ref_moved, ref, allowed)], noisy,
+                    "forward(x, x)" if mask is None else "forward(x, x, causal mask)")
 
 
 def _verdict(changes, noisy: bool, call: str) -> dict | None:

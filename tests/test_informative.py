@@ -86,6 +86,21 @@ def test_a_target_the_probe_cannot_call_is_not_judged_by_it():
     assert _vacuity(batched_only) is None
 
 
+def test_a_causal_only_target_is_probed_under_its_causal_mask():
+    """A target that declines calls without a mask (nanoGPT's causal module) is probed with the causal one."""
+    def causal_only(make):
+        def attention(Q, K, V, mask=None):
+            if mask is None:
+                raise NotImplementedError("causal masks only")
+            return make(Q, K, V, mask)
+        return attention
+
+    assert _vacuity(causal_only(reference.reference_attention)) is None
+    failure = _vacuity(causal_only(values))
+    assert failure is not None and "Q and K" in failure.cause
+    assert "(call: attention(Q, K, V, causal mask), then with" in failure.message
+
+
 def test_an_uninformative_case_is_drawn_again():
     with pytest.raises(Uninformative):  # a mask that masks no key
         properties.mask_semantics(reference.reference_attention, Case(n_q=2, n_kv=2, mask="none"))

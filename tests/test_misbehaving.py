@@ -256,6 +256,8 @@ def test_inference_only_flag(chatty, capsys, monkeypatch):
     args = ["check", "detached.py:attention", "--profile", "quick", "--seed", "3", "--only", "gradients"]
     assert main(args) == 1
     assert "it leaves the autograd graph through .detach()" in capsys.readouterr().out
-    assert main([*args, "--inference-only"]) == 0
+    assert main([*args, "--inference-only"]) == 1  # gradients alone, skipped: nothing was checked
+    assert "NOTHING CHECKED" in capsys.readouterr().out
+    assert main([*args, "rows-sum-to-one", "--inference-only"]) == 0
     out = capsys.readouterr().out
-    assert "skipped gradients: declared an inference kernel" in out and "declared: an inference kernel" in out
+    assert "skipped gradients: not checked: declared an inference kernel" in out and "declared: an inference kernel" in out
