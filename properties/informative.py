@@ -31,7 +31,6 @@ from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import MhaCase
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 from attn_spec.errors import Failure, Unsupported
-from attn_spec.targets.capabilities import supports
 
 SIZE = 4  # the probe's lengths and widths
 TRIVIALLY = ", so this property would hold only trivially"
@@ -89,9 +88,10 @@ def _sampled(run, noisy: bool):
 
 
 def _mask(target, case):
-    """None, or the causal mask [SIZE, SIZE] for a target that declines calls without a mask."""
-    return None if "none" in supports(target, device=case.device).masks else \
-        reference.causal_mask(SIZE, SIZE, device=case.device)
+    """None, or the causal mask [SIZE, SIZE] for a target whose probed capabilities (a check probes them
+    first) say it declines calls without a mask. Never probes them itself: this may run during a replay."""
+    takes = target.supported
+    return None if takes is None or "none" in takes.masks else reference.causal_mask(SIZE, SIZE, device=case.device)
 
 
 def _probe_function(target, case) -> dict | None:

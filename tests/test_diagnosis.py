@@ -23,6 +23,7 @@ from attn_spec.diagnosis.record import Recorder
 from attn_spec.lessons import mistake_sections
 from attn_spec.targets.conventions import make_target
 from gallery import BUGGY
+from test_gallery import UNDIAGNOSED
 
 
 def test_the_catalog_is_data_with_a_sentence_and_a_fix():
@@ -35,9 +36,11 @@ def test_the_catalog_is_data_with_a_sentence_and_a_fix():
 
 
 def test_every_gallery_bug_declares_a_mistake_of_the_catalog():
+    """Every buggy entry declares its mistake, or is listed in test_gallery's UNDIAGNOSED with a reason."""
     declared = {e.name: e.mistake for e in BUGGY}
-    assert all(declared.values()), [name for name, m in declared.items() if not m]
-    assert set(declared.values()) <= set(MISTAKES)
+    assert all(m or name in UNDIAGNOSED for name, m in declared.items()), \
+        [name for name, m in declared.items() if not m and name not in UNDIAGNOSED]
+    assert set(filter(None, declared.values())) <= set(MISTAKES)
 
 
 @pytest.mark.parametrize("mid", list(MISTAKES))
@@ -210,8 +213,12 @@ def test_a_failure_that_does_not_come_back_is_not_called_randomness():
         return correct_einsum(q, k, v, mask) + (1.0 if calls[0] == 6 else 0.0)  # a drawn case, not an example
 
     from attn_spec.checking.runner import run_property
-    result = run_property(REGISTRY["matches-reference"], make_target(wrong_on_the_sixth_call, "w", "function"),
-                          profile="quick", seed=1, dtypes=["float64"], devices=["cpu"])
+    from attn_spec.targets.capabilities import supports
+    target = make_target(wrong_on_the_sixth_call, "w", "function")
+    supports(target, ["float64"], "cpu")  # the capabilities are probed first: count the property's own calls
+    calls[0] = 0
+    result = run_property(REGISTRY["matches-reference"], target, profile="quick", seed=1, dtypes=["float64"],
+                          devices=["cpu"])
     assert result.status == "fail"
     assert "nondeterministic" not in result.cause and "depends on what ran before it" in result.message
 

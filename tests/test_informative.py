@@ -16,7 +16,8 @@ from attn_spec.checking.runner import mark_blocked
 from attn_spec.errors import Failure, Uninformative
 from attn_spec.properties.informative import ignored_inputs, require_responsive
 from attn_spec.report import PropertyResult
-from attn_spec.targets.conventions import make_target
+from attn_spec.targets.capabilities import supports
+from attn_spec.targets.conventions import Target, make_target
 
 
 def zeros(Q, K, V, mask=None):
@@ -37,7 +38,7 @@ def dropout_left_on(Q, K, V, mask=None):  # noisy, yet its output follows its in
 
 def _vacuity(fn, dtype="float64", case=None):
     try:
-        require_responsive(make_target(fn), case or Case(dtype=dtype))
+        require_responsive(fn if isinstance(fn, Target) else make_target(fn), case or Case(dtype=dtype))
     except Failure as failure:
         assert failure.vacuous
         return failure
@@ -95,8 +96,13 @@ def test_a_causal_only_target_is_probed_under_its_causal_mask():
             return make(Q, K, V, mask)
         return attention
 
-    assert _vacuity(causal_only(reference.reference_attention)) is None
-    failure = _vacuity(causal_only(values))
+    def probed(fn):  # a check probes the capabilities before any property runs
+        target = make_target(fn)
+        assert "none" not in supports(target).masks
+        return target
+
+    assert _vacuity(probed(causal_only(reference.reference_attention))) is None
+    failure = _vacuity(probed(causal_only(values)))
     assert failure is not None and "Q and K" in failure.cause
     assert "(call: attention(Q, K, V, causal mask), then with" in failure.message
 
