@@ -35,8 +35,6 @@ call_seconds = 4
 submission_seconds = 120
 memory_mb = 256
 output_kb = 8
-[module]
-required = false
 """
 CORRECT = ["correct_seed", "correct_einsum_mha", "correct_float64", "correct_folder", "flood", "vandal"]
 
@@ -81,24 +79,44 @@ def test_the_run_finishes_and_grades_everyone(graded):
     assert graded["run"].returncode == 0, graded["run"].stderr
     names = {p.stem if p.is_file() else p.name for p in graded["subs"].iterdir() if not p.name.startswith((".", "_"))}
     assert set(graded["by"]) == names
-    assert "graded 30 submission(s)" in graded["run"].stdout
+    assert f"graded {len(names)} submission(s)" in graded["run"].stdout
 
 
 @pytest.mark.parametrize("name", CORRECT)
 def test_no_correct_submission_loses_a_point(graded, name):
     sub = graded["by"][name]
     assert sub["outcome"] == "graded", sub["detail"]
-    assert sub["score"] == sub["max_score"] > 0, [p for p in sub["properties"] if p["points"] != p["max_points"]]
+    assert all(p["points"] == p["max_points"] for p in sub["properties"]), \
+        [p for p in sub["properties"] if p["points"] != p["max_points"]]
+    assert sub["score"] == sub["max_score"] + sub["bonus"] and sub["max_score"] > 0
 
 
-def test_a_module_is_graded_when_present(graded):
-    both, view = graded["by"]["correct_einsum_mha"], graded["by"]["buggy_heads_view"]
-    assert both["found"] == ["function", "module"]
+def test_the_optional_module_is_a_bonus_that_never_lowers_a_grade(graded):
+    """The default policy: a module attempted with one bug ends no lower than no module at all."""
+    both, view, seed = graded["by"]["correct_einsum_mha"], graded["by"]["buggy_heads_view"], graded["by"]["correct_seed"]
+    assert both["found"] == ["function", "module"] and "module" not in seed["found"]
     assert _points(both, convention="module")[("module", "head-concat-equivalence")] == "pass"
     assert _points(view, convention="module")[("module", "head-concat-equivalence")] == "fail"
     assert all(p["points"] == p["max_points"] for p in view["properties"] if p["convention"] == "function")
-    assert 0 < view["score"] < view["max_score"]
-    assert "module" not in graded["by"]["correct_seed"]["found"]  # optional: absent, not counted
+    assert both["max_score"] == view["max_score"] == seed["max_score"]  # the module adds to no maximum
+    assert seed["score"] < view["score"] < both["score"] and 0 < view["bonus"] < both["bonus"]
+    assert "bonus" in {p["counts"] for p in view["properties"] if p["convention"] == "module"} <= {"bonus", "no"}
+    feedback = (graded["out"] / "feedback" / "buggy_heads_view.md").read_text()
+    assert "Optional, a bonus" in feedback and "bonus)" in feedback
+    assert "Optional, a bonus" in (graded["out"] / "feedback" / "correct_seed.md").read_text()  # shown when absent
+
+
+def test_a_blocked_failure_costs_nothing_beyond_its_root(graded):
+    """One wrong scale costs scale-sqrt-dk's points; what it blocks is left out of score and max_score."""
+    sub, correct = graded["by"]["buggy_no_scale"], graded["by"]["correct_seed"]
+    rows = {p["id"]: p for p in sub["properties"] if p["convention"] == "function"}
+    blocked = [p for p in rows.values() if p["blocked_by"]]
+    assert rows["scale-sqrt-dk"]["status"] == "fail" and not rows["scale-sqrt-dk"]["blocked_by"]
+    assert blocked and all(p["counts"] == "no" and p["status"] == "fail" for p in blocked)
+    assert sub["max_score"] == correct["max_score"] - sum(p["max_points"] for p in blocked)
+    assert sub["score"] == sub["max_score"] - rows["scale-sqrt-dk"]["max_points"]
+    feedback = (graded["out"] / "feedback" / "buggy_no_scale.md").read_text()
+    assert "It is not counted in your score." in feedback and "costs nothing beyond" in feedback
 
 
 @pytest.mark.parametrize("name, failing, passing", [
@@ -143,6 +161,8 @@ def test_an_output_that_ignores_its_inputs_scores_at_most_a_tenth(graded, name):
     ("memory_hog", "memory-limit", "out of memory"),
     ("lying_subclass", "bad-output", "torch.Tensor subclass AlwaysRight"),
     ("returns_list", "bad-output", "returned list"),
+    ("returns_complex", "bad-output", "returned a complex tensor (torch.complex64)"),
+    ("returns_meta", "bad-output", "returned a tensor on the meta device"),
 ])
 def test_each_hostile_submission_gets_its_outcome_and_nothing_it_did_not_earn(graded, name, outcome, words):
     sub = graded["by"][name]
@@ -220,8 +240,9 @@ def test_grades_json_has_the_documented_shape(graded):
     for sub in data["submissions"]:
         assert isinstance(sub["name"], str) and sub["outcome"] in OUTCOMES
         assert isinstance(sub["score"], float) and isinstance(sub["max_score"], float)
-        assert 0 <= sub["score"] <= sub["max_score"]
-        assert isinstance(sub["feedback"], str) and sub["feedback"].startswith(f"# Feedback for {sub['name']}")
+        assert 0 <= sub["score"] <= sub["max_score"] + sub["bonus"]
+        assert isinstance(sub["feedback"], str) and sub["feedback"].startswith(f"# Feedback for {sub['name']}\n")
+        assert sub["feedback"] == (graded["out"] / "feedback" / sub["feedback_file"]).read_text()
         for prop in sub["properties"]:
             assert isinstance(prop["id"], str) and isinstance(prop["status"], str)
             assert isinstance(prop["points"], float) and 0 <= prop["points"] <= prop["max_points"]
@@ -229,13 +250,18 @@ def test_grades_json_has_the_documented_shape(graded):
 
 def test_csv_summary_and_feedback_files(graded):
     out = graded["out"]
-    rows = list(csv.DictReader((out / "grades.csv").open()))
-    assert [r["name"] for r in rows] == [s["name"] for s in graded["grades"]["submissions"]]
-    assert rows[0]["function:rows-sum-to-one"] in ("0", "2")
+    rows = {r["name"]: r for r in csv.DictReader((out / "grades.csv").open())}
+    assert list(rows) == [s["name"] for s in graded["grades"]["submissions"]]
+    seed, no_scale = rows["correct_seed"], rows["buggy_no_scale"]
+    assert seed["function:rows-sum-to-one"] == "2" and no_scale["function:scale-sqrt-dk"] == "0"
+    not_applicable = [p for p in graded["by"]["correct_seed"]["properties"] if p["status"] == "n/a"]
+    assert not_applicable and all(seed[f"function:{p['id']}"] == "n/a" for p in not_applicable)  # n/a is not 0
+    assert seed["module:head-concat-equivalence"] == ""  # no module: not graded at all
+    assert no_scale["function:matches-reference"] == "blocked" and seed["feedback"] == "correct_seed.md"
     summary = (out / "summary.md").read_text()
     assert "## Properties most students fail" in summary and "| matches-reference | function |" in summary
     feedback = (out / "feedback" / "buggy_no_scale.md").read_text()
-    for words in ("Score:", "scale-sqrt-dk", "Likely cause", "Counterexample", "attn_spec.reproduce("):
+    for words in ("Score:", "scale-sqrt-dk", "likely cause", "counterexample", "attn_spec.reproduce("):
         assert words in feedback
     assert len(list((out / "feedback").glob("*.md"))) == len(graded["by"])
 

@@ -6,6 +6,7 @@ import stat
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
 
@@ -46,18 +47,44 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def _check_folders(args) -> str | None:
-    """A reason the output folder cannot be used, or None."""
+    """A reason the submissions or the output folder cannot be used, or None. Checked before the
+    grading worker starts, so the usual mistakes (a wrong path, an empty folder) cost nothing."""
+    if not os.path.exists(args.submissions):
+        return f"no such file or folder: {args.submissions}"
     folder = args.submissions if os.path.isdir(args.submissions) else None
+    if folder and not args.gradescope:
+        from attn_spec.grading.submissions import candidates  # light: no torch
+
+        if not candidates(Path(folder)):
+            return f"{folder} holds no submissions (one .py file or one folder per student)"
     if folder and _inside(args.out, folder):
         return f"--out {args.out} is inside the submissions folder; choose a folder outside it"
     if (folder and _inside(tempfile.gettempdir(), folder)) or _inside(tempfile.gettempdir(), args.out):
         return f"the temporary folder {tempfile.gettempdir()} is inside the submissions or output folder; set TMPDIR"
-    if os.path.exists(args.out):
+    if os.path.lexists(args.out):
         if not os.path.isdir(args.out):
             return f"--out {args.out} exists and is not a folder"
-        if os.stat(args.out).st_mode & stat.S_IWOTH:
+        info = os.stat(args.out)
+        if info.st_uid != os.geteuid():  # made by someone else (a sandbox user of an earlier run, say)
+            return (f"--out {args.out} belongs to uid {info.st_uid}, not to the user grading; choose a folder of "
+                    "your own (the grader never writes into someone else's)")
+        if info.st_mode & stat.S_IWOTH:
             return f"--out {args.out} is writable by every user; a submission could plant files there"
+        feedback = os.path.join(args.out, "feedback")
+        if os.path.lexists(feedback) and (os.path.islink(feedback) or not os.path.isdir(feedback)
+                                          or os.lstat(feedback).st_uid != os.geteuid()):
+            return f"{feedback} is not a folder of yours (a link, a file, or someone else's); remove it"
     return None
+
+
+def _make_private(out: str) -> None:
+    """Create --out, or take an existing one back to 0700 (with feedback/), before any submission runs:
+    the previous run's grades, feedback and printed output are then out of every child's reach."""
+    os.makedirs(out, mode=0o700, exist_ok=True)
+    os.chmod(out, 0o700)
+    feedback = os.path.join(out, "feedback")
+    if os.path.isdir(feedback) and not os.path.islink(feedback):
+        os.chmod(feedback, 0o700)
 
 
 class _Progress:
@@ -70,7 +97,7 @@ class _Progress:
         if not self.enabled:
             return
         done, elapsed = len(grades), time.monotonic() - self.start
-        full = sum(1 for g in grades if g.max_score and g.score == g.max_score)
+        full = sum(1 for g in grades if g.max_score and g.score >= g.max_score)
         left = elapsed / done * (total - done)
         sys.stdout.write(f"\r\033[K[{done}/{total}] {full} with full marks · {elapsed:.0f}s elapsed · about {left:.0f}s left")
         sys.stdout.flush()
@@ -106,7 +133,7 @@ def run(args) -> int:
         launched.close()
         print(f"attn-spec: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    os.makedirs(args.out, mode=0o755, exist_ok=True)
+    _make_private(args.out)
     if os.geteuid() == 0 and os.stat(args.submissions).st_mode & (stat.S_IROTH | stat.S_IXOTH):
         print(f"attn-spec: note: {args.submissions} is readable by every user, so a submission can read the "
               f"others while it runs; `chmod o-rwx {args.submissions}` prevents it", file=sys.stderr)
@@ -116,7 +143,7 @@ def run(args) -> int:
     counts: dict[str, int] = {}
     for g in grades:
         counts[g.outcome] = counts.get(g.outcome, 0) + 1
-    full = sum(1 for g in grades if g.max_score and g.score == g.max_score)
+    full = sum(1 for g in grades if g.max_score and g.score >= g.max_score)
     print(f"graded {len(grades)} submission(s) in {time.monotonic() - start:.1f}s: {full} with full marks; "
           + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"wrote grades.csv, grades.json, summary.md and feedback/ in {args.out}")

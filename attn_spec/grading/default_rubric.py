@@ -13,6 +13,9 @@ dtypes = ["float64", "float32", "float16", "bfloat16"]
 devices = ["cpu"]
 # A folder submission is imported from the first of these files it has (or its only .py file).
 entry = ["attention.py", "submission.py", "main.py", "__init__.py"]
+# A failure that an earlier property's failure explains ("blocked by" it) costs nothing beyond that
+# root's points: it is left out of score and max_score. true charges it as well.
+charge_blocked = false
 
 [limits]
 import_seconds = 20          # to import a submission (--timeout overrides this and call_seconds)
@@ -22,6 +25,7 @@ memory_mb = 1024             # address space on top of what Python and torch alr
 output_kb = 64               # stdout + stderr kept per submission (the rest is counted and dropped)
 file_mb = 16                 # largest file a submission may write
 source_kb = 512              # largest source file accepted
+folder_mb = 64               # largest submission, all its files together (links are copied as links)
 
 [forbidden]
 # Calls a submission may not make: a dotted name, or a module followed by .* for all of it.
@@ -36,7 +40,9 @@ penalty = 1.0                # fraction of the score removed when one is used: 1
 
 [function]                   # attention(Q, K, V, mask=None)
 name = "attention"
-required = true              # counts in max_score even when missing
+# required: counts in max_score even when missing; when-defined: counts only when defined;
+# bonus: its points add to the score, never to max_score (attempting it never lowers a grade).
+policy = "required"
 default_points = 1.0         # any property not listed below
 
 [function.points]
@@ -49,7 +55,7 @@ matches-reference = 2
 
 [module]                     # class MultiHeadAttention(d_model, n_heads) in the seed's form
 name = "MultiHeadAttention"
-required = false             # graded and counted only when the submission defines it
+policy = "bonus"             # optional: graded when defined, its points on top of the function's
 default_points = 1.0
 
 [module.points]

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from attn_spec import reference
 from attn_spec.errors import IsolationError
+from attn_spec.report.results import PropertyResult
 from attn_spec.targets.conventions import PROJECTIONS, FunctionTarget, ModuleTarget
 from attn_spec.grading.isolation import zygote
 from attn_spec.grading.isolation.remote import RemoteTarget, Stopped, Zygote
@@ -36,28 +37,27 @@ class SandboxError(IsolationError):
 
 
 @dataclass
-class PropertyGrade:
-    id: str
-    convention: str
-    status: str  # pass, fail, skip, error, n/a, bad-output, not-run, missing, or the outcome that stopped it
-    points: float
-    max_points: float
-    statement: str = ""
-    message: str = ""
-    cause: str = ""
-    blocked_by: str | None = None
-    vacuous: bool = False
-    counterexample: dict | None = None
-    examples: int = 0
-    seconds: float = 0.0
+class PropertyGrade(PropertyResult):
+    """A property's result on one convention of a submission, with its points on top.
+
+    ``status`` is a :class:`PropertyResult`'s (pass, fail, skip, error) or one of the grader's: n/a,
+    bad-output, not-run, missing, or the outcome that stopped grading during it. ``counts``: how the
+    row counts, "score" (in score and max_score), "bonus" (in score only), or "no" (n/a, or a failure
+    blocked by an earlier one when the rubric does not charge those)."""
+
+    convention: str = ""
+    points: float = 0.0
+    max_points: float = 0.0
+    counts: str = "score"
 
 
 @dataclass
 class Grade:
     name: str
     outcome: str
-    score: float = 0.0
-    max_score: float = 0.0
+    score: float = 0.0  # bonus points included
+    max_score: float = 0.0  # bonus points not included
+    bonus: float = 0.0  # the part of score from conventions the rubric counts as a bonus
     detail: str = ""  # what the outcome means for this submission, in words
     properties: list = field(default_factory=list)
     forbidden: list = field(default_factory=list)  # [{"name", "line"?, "how"}]
@@ -67,6 +67,7 @@ class Grade:
     seconds: float = 0.0
     entry: str = ""
     feedback: str = ""
+    feedback_file: str = ""  # its file under feedback/, one to one with the name (outputs.feedback_stem)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,7 +121,9 @@ class Grader:
         scratch = os.path.join(self.base, f"{os.getpid()}-{next(self.counter):05d}")  # one judge process each
         os.mkdir(scratch, 0o700)
         try:
-            prepare(sub, scratch, ids)
+            problem = prepare(sub, scratch, ids, self.rubric.limits["folder_mb"])
+            if problem:
+                return self._not_loaded(grade, "import-error", problem)
             limits = self.rubric.limits
             config = {"scratch": scratch, "entry": sub.entry, "limits": limits, "forbidden": list(self.rubric.forbidden),
                       "names": {c: self.rubric.conventions[c].name for c in CONVENTIONS},
@@ -131,6 +134,9 @@ class Grader:
             finally:
                 child.close()
                 grade.output = child.output.text()
+                noted = {hit["name"] for hit in grade.forbidden if hit["how"] == "called while grading"}
+                grade.forbidden += [{"name": name, "how": "called while grading"}  # while loading, say
+                                    for name in sorted(child.forbidden - noted)]
         finally:
             remove(scratch)
         return grade
@@ -148,13 +154,12 @@ class Grader:
         return grade
 
     def _row(self, prop, conv, status, message="", result=None) -> PropertyGrade:
-        row = PropertyGrade(prop.id, conv, status, 0.0, self.rubric.conventions[conv].points_for(prop.id),
-                            statement=prop.statement, message=message)
-        if result is not None:
-            row.message, row.cause, row.counterexample = result.message, result.cause, result.counterexample
-            row.vacuous = result.vacuous
-            row.examples, row.seconds = result.examples, round(result.seconds, 3)
-        return row
+        """The graded row: ``result`` (or a bare one with ``message``) under ``status``, with its points."""
+        result = result or PropertyResult(prop.id, status, message=message)
+        fields = {f: getattr(result, f) for f in PropertyResult.__dataclass_fields__}
+        fields.update(status=status, statement=prop.statement, seconds=round(result.seconds, 3),
+                      case=None)  # the case is in the counterexample; grades hold plain data only
+        return PropertyGrade(**fields, convention=conv, max_points=self.rubric.conventions[conv].points_for(prop.id))
 
     def _load(self, grade: Grade, child, sub: Submission) -> dict | None:
         """Scan and import; the load report, or None (with the outcome set) when nothing can be graded."""
@@ -165,6 +170,9 @@ class Grader:
                 raise SandboxError(f"the sandbox could not be set up: {scanned.get('message')}")
             grade.sandbox = scanned.get("sandbox") if isinstance(scanned.get("sandbox"), dict) else {}
             grade.forbidden += [dict(hit, how="named in the source") for hit in scanned.get("forbidden", [])]
+            if "unreadable" in scanned:
+                self._not_loaded(grade, "import-error", str(scanned["unreadable"]))
+                return None
             if "syntax_error" in scanned:
                 err = scanned["syntax_error"]
                 where = f"line {err['line']}: " if err.get("line") else ""
@@ -178,11 +186,14 @@ class Grader:
         except Stopped as stop:
             self._not_loaded(grade, stop.outcome, stop.detail)
             return None
-        child.note_forbidden(loaded.get("forbidden_calls"))
-        if not loaded.get("ok"):
+        if loaded.get("ok") is not True:
             self._not_loaded(grade, *_load_problem(loaded, sub))
             return None
-        return loaded
+        # Sent after the submission's code ran: plain data of the expected kinds, or nothing.
+        found, kinds = loaded.get("found"), loaded.get("kinds")
+        return {"found": [c for c in CONVENTIONS if isinstance(found, list) and c in found],
+                "kinds": {c: v[:60] for c, v in kinds.items() if c in CONVENTIONS and isinstance(v, str)}
+                if isinstance(kinds, dict) else {}}
 
     def _grade_property(self, prop, target: RemoteTarget, conv: str) -> PropertyGrade:
         try:
@@ -198,15 +209,15 @@ class Grader:
         loaded = self._load(grade, child, sub)
         if loaded is None:
             return
-        grade.found = [c for c in CONVENTIONS if c in (loaded.get("found") or [])]
+        grade.found = loaded["found"]
         missing = []
         for conv in CONVENTIONS:
             section = self.rubric.conventions[conv]
             if conv not in grade.found:
                 if section.required:
-                    kind = (loaded.get("kinds") or {}).get(conv)
+                    kind = loaded["kinds"].get(conv)
                     want = "function" if conv == "function" else "class"
-                    missing.append(f"{section.name} is a {str(kind)[:60]}, not a {want}" if isinstance(kind, str)
+                    missing.append(f"{section.name} is a {kind}, not a {want}" if kind
                                    else f"{section.name} is not defined")
                     grade.properties += self._unrun(conv, "missing", missing[-1])
                 continue
@@ -221,6 +232,7 @@ class Grader:
                     rows.append(self._grade_property(prop, target, conv))
             mark_blocked(rows)
             grade.properties += rows
+        child.read_hits()
         grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden)]
         if child.stopped:
             grade.outcome, grade.detail = child.stopped.outcome, child.stopped.detail
@@ -269,7 +281,8 @@ def calibrate(props, rubric: Rubric) -> dict[tuple[str, str], str]:
 
 
 def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
-    outcome = loaded.get("outcome") if loaded.get("outcome") in OUTCOMES else "import-error"
+    outcome = loaded.get("outcome") if isinstance(loaded.get("outcome"), str) and loaded["outcome"] in OUTCOMES \
+        else "import-error"
     message = str(loaded.get("message", ""))[:2000]
     if outcome == "syntax-error":
         return outcome, f"{loaded.get('file') or sub.entry}, line {loaded.get('line')}: {message}"
@@ -282,13 +295,21 @@ def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
 
 
 def _score(grade: Grade, rubric: Rubric) -> None:
-    """Points for passed properties only (fail closed); n/a rows count for nothing either way; the
-    forbidden penalty scales the total."""
+    """Points for passed properties only (fail closed). Rows that do not count (n/a; a failure blocked
+    by an earlier one, unless the rubric charges those) are in neither score nor max_score; a bonus
+    convention's rows add to the score only. The forbidden penalty scales the total."""
     for row in grade.properties:
         row.points = row.max_points if row.status == "pass" else 0.0
         if row.status == "n/a":
             row.max_points = 0.0
-    earned = sum(row.points for row in grade.properties)
-    if grade.forbidden:
-        earned *= 1.0 - rubric.penalty
-    grade.score, grade.max_score = round(earned, 4), round(sum(row.max_points for row in grade.properties), 4)
+        if row.status == "n/a" or (row.status == "fail" and row.blocked_by and not rubric.charge_blocked):
+            row.counts = "no"
+        elif rubric.conventions[row.convention].bonus:
+            row.counts = "bonus"
+        else:
+            row.counts = "score"
+    keep = 1.0 - rubric.penalty if grade.forbidden else 1.0
+    base = sum(row.points for row in grade.properties if row.counts == "score")
+    bonus = sum(row.points for row in grade.properties if row.counts == "bonus")
+    grade.score, grade.bonus = round((base + bonus) * keep, 4), round(bonus * keep, 4)
+    grade.max_score = round(sum(row.max_points for row in grade.properties if row.counts == "score"), 4)

@@ -19,7 +19,12 @@ from attn_spec.errors import KitUsageError
 
 
 CONVENTIONS = ("function", "module")
-_LIMITS = ("import_seconds", "call_seconds", "submission_seconds", "memory_mb", "output_kb", "file_mb", "source_kb")
+_LIMITS = ("import_seconds", "call_seconds", "submission_seconds", "memory_mb", "output_kb", "file_mb", "source_kb",
+           "folder_mb")
+# How a convention's points count: "required" (in max_score even when missing), "when-defined" (in
+# score and max_score only when the submission defines it), "bonus" (its points add to the score,
+# never to max_score, so attempting it can only raise a grade).
+POLICIES = ("required", "when-defined", "bonus")
 
 
 class RubricError(KitUsageError):
@@ -29,9 +34,17 @@ class RubricError(KitUsageError):
 @dataclass(frozen=True)
 class ConventionRubric:
     name: str  # the attribute the submission must define
-    required: bool
+    policy: str  # one of POLICIES
     default_points: float
     points: dict = field(default_factory=dict)  # property id -> points
+
+    @property
+    def required(self) -> bool:
+        return self.policy == "required"
+
+    @property
+    def bonus(self) -> bool:
+        return self.policy == "bonus"
 
     def points_for(self, property_id: str) -> float:
         return float(self.points.get(property_id, self.default_points))
@@ -49,6 +62,7 @@ class Rubric:
     penalty: float
     conventions: dict  # "function"/"module" -> ConventionRubric
     source: str = "default rubric"
+    charge_blocked: bool = False  # a failure blocked by an earlier one costs its points too (default: only the root's)
 
     def with_timeout(self, seconds: float | None) -> "Rubric":
         """--timeout: one limit for the import and for every call."""
@@ -127,8 +141,11 @@ def parse(text: str, source: str = "rubric") -> Rubric:
         base = tomllib.loads(DEFAULT_RUBRIC)
     except tomllib.TOMLDecodeError as exc:
         raise RubricError(f"{source} is not valid TOML: {exc}") from None
-    _unknown(data, ("profile", "seed", "dtypes", "devices", "entry", "limits", "forbidden") + CONVENTIONS, source)
+    _unknown(data, ("profile", "seed", "dtypes", "devices", "entry", "charge_blocked", "limits", "forbidden")
+             + CONVENTIONS, source)
     merged = {**base, **{k: v for k, v in data.items() if not isinstance(v, dict)}}
+    if not isinstance(merged["charge_blocked"], bool):
+        raise RubricError(f"{source}: charge_blocked must be true or false")
     profile = merged["profile"]
     if profile not in PROFILES:
         raise RubricError(f"{source}: profile={profile!r}, but it must be one of {', '.join(PROFILES)}")
@@ -149,21 +166,33 @@ def parse(text: str, source: str = "rubric") -> Rubric:
     conventions = {}
     for conv in CONVENTIONS:
         given = _table(data, conv, source)
-        _unknown(given, ("name", "required", "default_points", "points"), f"{source} [{conv}]")
+        _unknown(given, ("name", "policy", "required", "default_points", "points"), f"{source} [{conv}]")
         section = {**base[conv], **given}
         points_in = section["points"] if "points" in given else base[conv]["points"]
         if not isinstance(points_in, dict):
             raise RubricError(f"{source}: [{conv}.points] must be a table of property id = points")
         if not isinstance(section["name"], str) or not section["name"].isidentifier():
             raise RubricError(f"{source} [{conv}] name must be a Python identifier")
-        if not isinstance(section["required"], bool):
-            raise RubricError(f"{source} [{conv}] required must be true or false")
         conventions[conv] = ConventionRubric(
-            section["name"], section["required"], _number(section["default_points"], f"{source} [{conv}] default_points"),
+            section["name"], _policy(given, base[conv], f"{source} [{conv}]"),
+            _number(section["default_points"], f"{source} [{conv}] default_points"),
             {pid: _number(p, f"{source} [{conv}.points] {pid}") for pid, p in points_in.items()})
     return Rubric(profile, merged["seed"], _strings(merged["dtypes"], f"{source}: dtypes", DTYPES),
                   _strings(merged["devices"], f"{source}: devices", available_devices()), _strings(merged["entry"], f"{source}: entry"),
-                  limits, calls, penalty, conventions, source)
+                  limits, calls, penalty, conventions, source, merged["charge_blocked"])
+
+
+def _policy(given: dict, base: dict, where: str) -> str:
+    """The section's policy; ``required = true/false`` (the older key) means "required"/"when-defined"."""
+    if "required" in given and not isinstance(given["required"], bool):
+        raise RubricError(f"{where} required must be true or false")
+    old = None if "required" not in given else ("required" if given["required"] else "when-defined")
+    policy = given.get("policy", old or base["policy"])
+    if policy not in POLICIES:
+        raise RubricError(f"{where} policy={policy!r}, but it must be one of {', '.join(POLICIES)}")
+    if old is not None and policy != old:
+        raise RubricError(f"{where}: required = {str(given['required']).lower()} contradicts policy = {policy!r}")
+    return policy
 
 
 def load(path: str | None) -> Rubric:

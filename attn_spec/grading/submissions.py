@@ -5,13 +5,21 @@ import grp
 import os
 import pwd
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from attn_spec.grading.rubric import Rubric
 from attn_spec.errors import KitUsageError
 
-SANDBOX_USER = "nobody"
+if TYPE_CHECKING:  # this module stays light: the command checks a class folder before importing torch
+    from attn_spec.grading.rubric import Rubric
+
+# Sandbox users: a dedicated range of uids (each also its own gid) that no account, group or running
+# process uses. 2,000,000,000 lies in the range systemd leaves unallocated (above the containers'
+# 524288-1879048191, below 2**31), so neither `nobody` nor a container's users share it.
+UID_BASE = 2_000_000_000
+MAX_FILES = 10_000  # files and folders in one submission folder
 
 
 @dataclass
@@ -24,13 +32,20 @@ class Submission:
 
 def _entry(folder: Path, rubric: Rubric) -> tuple[str | None, str]:
     for name in rubric.entry:
-        if (folder / name).is_file():
+        if (folder / name).is_file():  # a link is followed by the child, with its own rights
             return name, ""
     files = sorted(p.name for p in folder.glob("*.py") if p.is_file())
     if len(files) == 1:
         return files[0], ""
     return None, (f"found no file to import: looked for {', '.join(rubric.entry)}"
                   + (f" and there are several .py files ({', '.join(files[:6])})" if files else " and there is no .py file"))
+
+
+def candidates(root: Path) -> list[Path]:
+    """The entries of a class folder that are submissions: .py files and folders (links included, not
+    followed), less names starting with "." or "_"."""
+    return sorted(p for p in root.iterdir() if not p.name.startswith((".", "_"))
+                  and (p.is_dir() or p.suffix == ".py" and (p.is_file() or p.is_symlink())))
 
 
 def discover(path: str, rubric: Rubric, *, single: bool = False) -> list[Submission]:
@@ -41,16 +56,19 @@ def discover(path: str, rubric: Rubric, *, single: bool = False) -> list[Submiss
     if single or root.is_file():
         if root.is_file() and root.suffix != ".py":
             raise KitUsageError(f"{path} is not a .py file or a folder")
-        candidates = [root]
+        found = [root]
     else:
-        candidates = sorted(p for p in root.iterdir() if not p.name.startswith((".", "_"))
-                            and (p.is_dir() or (p.is_file() and p.suffix == ".py")))
+        found = candidates(root)
     subs, seen = [], {}
-    for p in candidates:
-        name = p.stem if p.is_file() else p.name
+    for p in found:
+        name = p.stem if p.suffix == ".py" and not p.is_dir() else p.name
         if name in seen:
             raise KitUsageError(f"two submissions are named {name!r}: {seen[name]} and {p.name}")
         seen[name] = p.name
+        if p.is_symlink() and not (p == root and p.is_dir()):  # never followed: it may lead anywhere on this machine
+            subs.append(Submission(name, p, None, f"{p.name} is a symbolic link; the grader does not follow links "
+                                                  "out of a submission (put the file itself in the class folder)"))
+            continue
         entry, problem = (p.name, "") if p.is_file() else _entry(p, rubric)
         subs.append(Submission(name, p, entry, problem))
     if not subs:
@@ -61,44 +79,129 @@ def discover(path: str, rubric: Rubric, *, single: bool = False) -> list[Submiss
 # ---------------------------------------------------------------- the sandbox user
 
 
+def _uids_in_use() -> set[int]:
+    """Real, effective and saved uids of every process this machine shows in /proc."""
+    used = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("Uid:"):
+                    used.update(int(x) for x in line.split()[1:])
+                    break
+        except (OSError, ValueError):
+            pass
+    return used
+
+
+def _mapped(uid: int) -> bool:
+    """Whether ``uid`` exists in this user namespace (a container may map only 65536 uids)."""
+    try:
+        with open("/proc/self/uid_map") as fh:
+            return any(int(start) <= uid < int(start) + int(count) for start, _, count in map(str.split, fh))
+    except (OSError, ValueError):
+        return True
+
+
+def _free(uid: int, busy: set[int]) -> bool:
+    if uid in busy or not _mapped(uid):
+        return False
+    try:
+        pwd.getpwuid(uid)
+        return False
+    except KeyError:
+        pass
+    try:
+        grp.getgrgid(uid)
+        return False
+    except KeyError:
+        return True
+
+
 def sandbox_ids(slots: int) -> list[tuple[int, int] | None]:
     """(uid, gid) per parallel slot when running as root, else None (children keep our user).
 
-    Slot 0 runs as ``nobody``; other slots get the next lower uids that no account uses, so that
-    concurrent submissions cannot signal or touch each other's processes and files.
+    Each slot gets its own uid, from a dedicated range (:data:`UID_BASE` up) that no account, group
+    or running process uses, and the gid of the same number: so concurrent submissions cannot signal
+    or touch each other's processes and files, nor any other process on the machine (not `nobody`'s).
+    Where that range is not mapped (a container with 65536 uids), the highest free uids below 65534.
     """
     if os.geteuid() != 0:
         return [None] * slots
-    try:
-        user = pwd.getpwnam(SANDBOX_USER)
-        uid, gid = user.pw_uid, user.pw_gid
-    except KeyError:
-        uid, gid = 65534, 65534
-    try:
-        gid = grp.getgrnam("nogroup").gr_gid
-    except KeyError:
-        pass
-    ids, candidate = [(uid, gid)], uid - 1
+    busy = _uids_in_use()
+    candidate = UID_BASE if _mapped(UID_BASE) else 65533
+    step = 1 if candidate == UID_BASE else -1
+    ids = []
     while len(ids) < slots:
-        try:
-            pwd.getpwuid(candidate)
-        except KeyError:
-            ids.append((candidate, gid))
-        candidate -= 1
+        if candidate <= 1000:
+            raise KitUsageError("no free uid for a sandbox user")
+        if _free(candidate, busy):
+            ids.append((candidate, candidate))
+        candidate += step
     return ids
 
 
-def prepare(sub: Submission, scratch: str, ids) -> None:
-    """Copy the submission into its scratch folder (links stay links) and hand it to the sandbox user."""
-    if sub.path.is_file():
-        shutil.copyfile(sub.path, os.path.join(scratch, sub.path.name))
-    else:
-        shutil.copytree(sub.path, scratch, symlinks=True, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__", ".git"))
+# ---------------------------------------------------------------- scratch folders
+
+
+def _copy_file(src: str, dst: str, budget: list[int]) -> bool:
+    """Copy a regular file without following links, spending ``budget[0]`` bytes; False when it runs out."""
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for something else since it was listed
+            return True
+        with open(fd, "rb", closefd=False) as fin, open(dst, "xb") as fout:
+            while chunk := fin.read(1 << 16):
+                budget[0] -= len(chunk)
+                if budget[0] < 0:
+                    return False
+                fout.write(chunk)
+    finally:
+        os.close(fd)
+    return True
+
+
+def prepare(sub: Submission, scratch: str, ids, limit_mb: float) -> str:
+    """Copy the submission into its scratch folder and hand it to the sandbox user; "" or why it cannot be.
+
+    Links are copied as links (the child follows them with its own rights; root never reads through
+    one), only regular files and folders are copied (a FIFO or device is left out), and the whole copy
+    is bounded: at most ``limit_mb`` of file contents (a sparse file counts at its full size) and
+    :data:`MAX_FILES` entries."""
+    try:
+        problem = _copy(sub.path, scratch, limit_mb)
+    except OSError as exc:  # a file the grader may not read (when not root), one that vanished, ...
+        problem = f"cannot copy {os.path.basename(exc.filename or '') or 'it'}: {exc.strerror or exc}"
+    if problem:
+        return problem
     if ids is not None:
         for folder, dirs, files in os.walk(scratch):
             for name in [folder] + [os.path.join(folder, n) for n in dirs + files]:
                 os.chown(name, *ids, follow_symlinks=False)
+    return ""
+
+
+def _copy(path: Path, scratch: str, limit_mb: float) -> str:
+    budget, count = [int(limit_mb * 2**20)], 0
+    too_big = (f"the submission is larger than {limit_mb:g} MB (all its files together) or holds more than "
+               f"{MAX_FILES} files")
+    if not path.is_dir():
+        return "" if _copy_file(str(path), os.path.join(scratch, path.name), budget) else too_big
+    for folder, dirs, files in os.walk(path):  # does not descend into links to folders
+        rel = os.path.relpath(folder, path)
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", ".git")]
+        for name in dirs + files:
+            count += 1
+            if count > MAX_FILES:
+                return too_big
+            src, dst = os.path.join(folder, name), os.path.normpath(os.path.join(scratch, rel, name))
+            mode = os.lstat(src).st_mode
+            if stat.S_ISLNK(mode):
+                os.symlink(os.readlink(src), dst)
+            elif stat.S_ISDIR(mode):
+                os.mkdir(dst, 0o700)
+            elif stat.S_ISREG(mode) and not _copy_file(src, dst, budget):
+                return too_big
+    return ""
 
 
 def remove(path: str) -> None:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from tabulate import tabulate
 
+from attn_spec.report import markdown as md
+
 if TYPE_CHECKING:
     from attn_spec.report.results import PropertyResult, Report, TargetReport
 
@@ -207,20 +209,33 @@ def _summary_rows(target: TargetReport):
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
 
 
-def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> str:
-    """One failure as a lesson: statement, what happened, likely cause, counterexample, reproduction."""
+def failure_section(p: PropertyResult, markdown: bool, colour: bool = False, *, reproduce: bool = True,
+                    traceback: bool = False, untrusted: bool = False) -> str:
+    """One failure as a lesson: statement, what happened, likely cause, counterexample, reproduction.
+
+    ``reproduce``: end with the copy-paste snippet; ``traceback``: then the target's traceback, if it
+    raised; ``untrusted`` (markdown only): the message and cause come from code the reader did not
+    write (a student's submission), so they are escaped and cannot add markup (see report.markdown).
+    """
     lines = []
     head = f"{p.id}: {p.statement}" if p.statement else p.id
     lines.append(f"### ✗ {head}" if markdown else f"✗ {head}")
     pad = "" if markdown else "  "
     bullet = "- " if markdown else pad
-    lines.append(f"{bullet}what happened: {p.message}")
+
+    def said(text: str) -> str:
+        return md.text(text) if markdown and untrusted else text
+
+    def block(text: str, lang: str = "") -> str:
+        return md.fence(text, lang) if markdown else "\n".join(pad * 2 + x for x in text.splitlines())
+
+    lines.append(f"{bullet}what happened: {said(p.message)}")
     if p.cause:
-        lines.append(f"{bullet}likely cause: {p.cause}")
+        lines.append(f"{bullet}likely cause: {said(p.cause)}")
     ce = p.counterexample
     if ce:
         summary = ce["summary"] if ce["summary"].startswith("the call") else f"the case: {ce['summary']}"
-        lines.append(f"{bullet}counterexample ({summary}):")
+        lines.append(f"{bullet}counterexample ({said(summary)}):")
         blocks = []
         if ce.get("inputs_text"):
             blocks.append("inputs:\n" + ce["inputs_text"])
@@ -231,11 +246,12 @@ def failure_section(p: PropertyResult, markdown: bool, colour: bool = False) -> 
             blocks.append(named + ":\n" + counterexample_matrices(ce, colour and not markdown)
                           + (f"\nNaN or inf on both sides at {both} entries: the target's own output was already "
                              f"non-finite there, so the comparison says nothing" if both else ""))
-        for block in blocks:
-            lines.append("```\n" + block + "\n```" if markdown else "\n".join(pad * 2 + x for x in block.splitlines()))
-        lines.append(f"{bullet}reproduce:")
-        snippet = ce["reproduce"]
-        lines.append("```python\n" + snippet + "\n```" if markdown else "\n".join(pad * 2 + x for x in snippet.splitlines()))
+        lines += [block(text) for text in blocks]
+        if reproduce:
+            lines += [f"{bullet}reproduce:", block(ce["reproduce"], "python")]
+    trace = (ce or {}).get("traceback") if traceback else None
+    if trace:
+        lines += [f"{bullet}traceback of the target:", md.fence(trace) if markdown else trace]
     return "\n".join(lines)
 
 

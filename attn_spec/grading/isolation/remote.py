@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -19,7 +20,7 @@ import torch
 
 from attn_spec.checking.assertions import fail
 from attn_spec.targets.conventions import Target, attend_shape, check_output
-from attn_spec.errors import IsolationError, KitSignal, TargetRaised, Unsupported
+from attn_spec.errors import Failure, IsolationError, KitSignal, TargetRaised, Unsupported
 from attn_spec.grading.isolation import wire, zygote
 from attn_spec.grading.isolation.wire import BROKEN
 
@@ -29,6 +30,8 @@ CRASH_SIGNALS = {signal.SIGSEGV: "a segmentation fault", signal.SIGBUS: "a bus e
                  signal.SIGABRT: "an abort", signal.SIGILL: "an illegal instruction",
                  signal.SIGFPE: "a floating-point exception"}
 BAD_OUTPUT_CAUSE = "return the output itself: one plain torch.Tensor (not a subclass, list, tuple or other object)"
+MAX_HITS = 50  # distinct forbidden names kept per submission
+_HIT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,199}")
 
 
 class Stopped(KitSignal):
@@ -96,9 +99,10 @@ class OutputDrain(threading.Thread):
 class Child:
     """One submission's process, as seen from the grader."""
 
-    def __init__(self, chan: socket.socket, ctrl: socket.socket, out_fd: int, limits: dict, devices):
+    def __init__(self, chan: socket.socket, ctrl: socket.socket, out_fd: int, hits_fd: int, limits: dict, devices):
         self.chan, self.ctrl, self.limits, self.devices = wire.Channel(chan), ctrl, limits, tuple(devices)
         self.output = OutputDrain(out_fd, int(limits["output_kb"] * 1024))
+        self.hits_fd, self._hits_buf = hits_fd, b""  # the tripwires' reports, one name per line (non-blocking)
         self.deadline = time.monotonic() + limits["submission_seconds"]
         self.forbidden: set[str] = set()
         self.stopped: Stopped | None = None
@@ -142,9 +146,27 @@ class Child:
         """Kill the process group (always, at the end), collect the status, release everything."""
         self.kill()
         self._wait_status(STATUS_SECONDS)
+        self.read_hits()  # the child is dead: whatever it reported is in the pipe
         for sock in (self.chan, self.ctrl):
             sock.close()
+        os.close(self.hits_fd)
         self.output.join(STATUS_SECONDS)
+
+    def read_hits(self) -> None:
+        """Record the forbidden calls the child's tripwires reported so far (each before the call ran)."""
+        while True:
+            try:
+                chunk = os.read(self.hits_fd, 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            lines = (self._hits_buf + chunk).split(b"\n")
+            self._hits_buf = lines.pop()[-256:]
+            for line in lines:
+                name = line.decode("ascii", "replace")
+                if _HIT.fullmatch(name) and (name in self.forbidden or len(self.forbidden) < MAX_HITS):
+                    self.forbidden.add(name)
 
     # ------------------------------------------------------------ talking
 
@@ -161,8 +183,10 @@ class Child:
             self._stop("timeout", f"{what} took longer than {f'{seconds:g} s' if seconds else limit}")
         except (wire.PeerClosed, ConnectionError):
             self._died(what)
-        except wire.ProtocolError as exc:
-            self._stop("bad-output", f"its reply to {what} was not valid data: {exc}")
+        except (wire.ProtocolError, ValueError, TypeError, RuntimeError, OverflowError) as exc:  # whatever it sent
+            self._stop("bad-output", f"its reply to {what} was not valid data: {exc}"[:1000])
+        finally:
+            self.read_hits()
 
     def request(self, header: dict, tensors: list, what: str) -> tuple[dict, list]:
         if self.stopped:
@@ -175,10 +199,6 @@ class Child:
             self._died(what)
         size = sum(t.numel() * t.element_size() for t in tensors)
         return self.receive(self.limits["call_seconds"], what, max_bytes=8 * size + (64 << 20))
-
-    def note_forbidden(self, names) -> None:
-        if isinstance(names, list):
-            self.forbidden.update(str(n)[:200] for n in names[:50] if isinstance(n, str))
 
 
 class Zygote:
@@ -201,18 +221,23 @@ class Zygote:
         chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ctrl, ctrl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
+        hits_r, hits_w = os.pipe()
+        os.set_blocking(hits_r, False)
         try:
             with self.lock:
-                wire.send_message(self.sock, {"config": config}, [chan_child.fileno(), ctrl_child.fileno(), out_w])
+                wire.send_message(self.sock, {"config": config},
+                                  [chan_child.fileno(), ctrl_child.fileno(), out_w, hits_w])
         except OSError as exc:
             for s in (chan, ctrl):
                 s.close()
             os.close(out_r)
+            os.close(hits_r)
             raise ZygoteError(f"the grading worker is gone: {exc}") from None
         finally:
             chan_child.close()
             ctrl_child.close()
             os.close(out_w)
+            os.close(hits_w)
         try:
             message, _ = wire.recv_message(ctrl, timeout=SPAWN_SECONDS)
         except (OSError, ValueError):
@@ -221,8 +246,9 @@ class Zygote:
             for s in (chan, ctrl):  # the monitor, if any, kills its child when ctrl closes
                 s.close()
             os.close(out_r)
+            os.close(hits_r)
             raise ZygoteError("the grading worker did not start a child")
-        return Child(chan, ctrl, out_r, config["limits"], config["devices"])
+        return Child(chan, ctrl, out_r, hits_r, config["limits"], config["devices"])
 
 
 # ---------------------------------------------------------------- the target
@@ -253,7 +279,14 @@ class RemoteTarget(Target):
         header = {"op": "call", "convention": self.convention, "method": method, "args": wire.pack(args, sent),
                   "kwargs": wire.pack(kwargs, sent)}
         reply, tensors = self.child.request(header, sent, call)
-        self.child.note_forbidden(reply.get("forbidden"))
+        try:
+            return self._read_reply(reply, tensors, sent, n_results, call)
+        except (Stopped, Failure, Unsupported):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a reply that breaks our reading of it is the submission's
+            self.child._stop("bad-output", f"its reply to {call} could not be read ({type(exc).__name__}: {exc})"[:1000])
+
+    def _read_reply(self, reply: dict, tensors: list, sent: list, n_results: int, call: str) -> list[torch.Tensor]:
         self._write_back(reply.get("inputs"), sent, tensors, call)
         error = reply.get("error")
         if error is None:

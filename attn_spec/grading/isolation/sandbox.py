@@ -6,9 +6,10 @@ submission is imported; from then on the student's code shares the process and c
 anything in it (torch, the kit, this module), so the grader believes nothing it sends back beyond
 its being plain data: it generates the inputs and judges the outputs itself.
 
-Order of events: confine (own session, scratch dir, output to the grader's pipe, clean
-environment, tripwires, rlimits, unprivileged user) -> scan the source and report (trusted: no
-student code has run yet) -> import -> report what it defines -> answer calls until killed.
+Order of events: tripwires (armed once in the zygote; here only pointed at this child's report
+pipe) -> confine (own session, scratch dir, output to the grader's pipe, clean environment,
+rlimits, own network and IPC namespaces, unprivileged user) -> read and scan the source and report
+(trusted: no student code has run yet) -> import -> report what it defines -> answer calls until killed.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from attn_spec.targets.loading import user_traceback
 
 METHODS = ("attend", "multihead", "vjp")  # what the grader may call on a target
 TEXT_LIMIT = 8000  # characters of a message or traceback sent back
-CLONE_NEWNET, PR_SET_NO_NEW_PRIVS = 0x40000000, 38
+CLONE_NEWNET, CLONE_NEWIPC, PR_SET_NO_NEW_PRIVS = 0x40000000, 0x08000000, 38
 
 
 class BadOutput(KitSignal):
@@ -43,9 +44,18 @@ class BadOutput(KitSignal):
 
 
 def _plain(out, call: str):
+    """``out`` if it is a plain tensor with values the grader can judge; else BadOutput saying what it is."""
     if type(out) is not torch.Tensor:
         kind = "a torch.Tensor subclass " if isinstance(out, torch.Tensor) else ""
         raise BadOutput(f"{call} returned {kind}{type(out).__name__!s:.60}, not a plain torch.Tensor")
+    if out.is_nested or out.layout != torch.strided:
+        raise BadOutput(f"{call} returned a {'nested' if out.is_nested else out.layout} tensor, not a dense one")
+    if out.is_complex():
+        raise BadOutput(f"{call} returned a complex tensor ({out.dtype}); attention outputs are real")
+    if out.device.type == "meta":
+        raise BadOutput(f"{call} returned a tensor on the meta device, which holds no values")
+    if out.dtype not in wire.WIRE_DTYPES.values():
+        raise BadOutput(f"{call} returned a {out.dtype} tensor; expected one of the input's floating dtypes")
     return out
 
 
@@ -84,16 +94,42 @@ def _vm_size() -> int:
     return 0
 
 
-def _tripwire(fn, name: str, hits: list):
-    @functools.wraps(fn)
+# ---------------------------------------------------------------- tripwires
+
+# Where a tripwire reports a call: the write end of a pipe whose other end the grader holds, set in
+# each child (a list, so that closures made before the fork see the child's value). The report is
+# written before the call goes ahead, so nothing the submission does afterwards can take it back.
+_HITS = [-1]
+# Other ways into a forbidden torch operator than its public name: its private kernels, by prefix.
+KERNELS = {"scaled_dot_product_attention": ("_scaled_dot_product_", "_flash_attention_", "_efficient_attention_",
+                                            "_triton_scaled_dot_attention")}
+_armed: dict = {"patterns": None, "names": []}  # what the tripwires in this process cover
+
+
+def _tripwire(fn, name: str):
+    """``fn``, reporting each call to the grader first; no ``__wrapped__``. A call it cannot report is refused."""
+    line, write, hits = f"{name}\n".encode(), os.write, _HITS  # bound now: patching os later changes nothing
+
     def tripwire(*args, **kwargs):
-        hits.append(name)
+        try:
+            write(hits[0], line)
+        except OSError:
+            raise RuntimeError(f"{name} is forbidden in this assignment") from None
         return fn(*args, **kwargs)
+
+    for attr in ("__name__", "__qualname__", "__doc__"):
+        try:
+            setattr(tripwire, attr, getattr(fn, attr))
+        except (AttributeError, TypeError):
+            pass
+    if isinstance(fn, torch._ops.OpOverloadPacket):  # torch.ops.aten.X.default and the other overloads
+        for overload in fn.overloads():
+            setattr(tripwire, overload, _tripwire(getattr(fn, overload), f"{name}.{overload}"))
     return tripwire
 
 
 def _targets(pattern: str):
-    """(owner, attribute, dotted name) for each callable a forbidden entry covers."""
+    """(owner, attribute, dotted name) for each callable a forbidden entry names."""
     if pattern.endswith(".*"):
         module = importlib.import_module(pattern[:-2])
         for attr in sorted(vars(module)):
@@ -113,17 +149,65 @@ def _targets(pattern: str):
         return
 
 
-def install_tripwires(patterns) -> list[str]:
-    """Wrap every forbidden callable so that a call is recorded; returns the (growing) record."""
-    hits: list[str] = []
+def _operator_entry_points(op: str):
+    """torch.ops.aten.<op>, and the private kernels of a known operator in torch and torch.ops.aten."""
+    prefixes = KERNELS.get(op, ())
+    names = {op} | {name.split("::", 1)[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+                    if name.startswith("aten::") and name[6:].startswith(prefixes or (op,))}
+    for name in sorted(names):
+        if hasattr(torch.ops.aten, name):
+            yield torch.ops.aten, name, f"torch.ops.aten.{name}"
+        if name != op and prefixes and callable(getattr(torch, name, None)):
+            yield torch, name, f"torch.{name}"
+
+
+def entry_points(patterns) -> list[tuple[object, str, str]]:
+    """(owner, attribute, dotted name) of every way in to what ``patterns`` forbid that this process
+    can see: the names themselves; every module attribute bound to the same object (``torch._C._nn``,
+    a kit module that imported it by name); and for a torch operator, its ``torch.ops.aten`` packet
+    and private kernels. (``torch._C._VariableFunctions`` is read-only and stays uncovered.)"""
+    found: dict[tuple[int, str], tuple] = {}
+    originals: dict[int, object] = {}
     for pattern in patterns:
-        for owner, attr, name in _targets(pattern):
+        for owner, attr, dotted in _targets(pattern):
             obj = getattr(owner, attr)
+            found[(id(owner), attr)] = (owner, attr, dotted)
             if inspect.isclass(obj):
-                obj.__init__ = _tripwire(obj.__init__, name, hits)
-            else:
-                setattr(owner, attr, _tripwire(obj, name, hits))
-    return hits
+                continue  # its __init__ is wrapped on the class itself, whatever name reaches it
+            originals[id(obj)] = obj
+            if inspect.isbuiltin(obj) and getattr(obj, "__name__", None):
+                for owner2, attr2, dotted2 in _operator_entry_points(obj.__name__):
+                    found[(id(owner2), attr2)] = (owner2, attr2, dotted2)
+                    originals[id(getattr(owner2, attr2))] = getattr(owner2, attr2)
+    for module in list(sys.modules.values()) + [torch._C._nn]:  # torch._C._nn is not in sys.modules
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for attr, value in list(names.items()):
+            if id(value) in originals and originals[id(value)] is value and (id(module), attr) not in found:
+                found[(id(module), attr)] = (module, attr, f"{getattr(module, '__name__', '?')}.{attr}")
+    return list(found.values())
+
+
+def arm_tripwires(patterns) -> list[str]:
+    """Wrap every entry point to a forbidden callable so that each call is reported (see :data:`_HITS`);
+    returns their dotted names. Done once in the zygote, before any fork; again only for other patterns."""
+    patterns = tuple(patterns)
+    if _armed["patterns"] == patterns:
+        return _armed["names"]
+    names = []
+    for owner, attr, dotted in entry_points(patterns):
+        obj = getattr(owner, attr)
+        if inspect.isclass(obj):
+            obj.__init__ = _tripwire(obj.__init__, dotted)
+        else:
+            try:
+                setattr(owner, attr, _tripwire(obj, dotted))
+            except (AttributeError, TypeError):  # a read-only namespace
+                continue
+        names.append(dotted)
+    _armed.update(patterns=patterns, names=sorted(set(names)))
+    return _armed["names"]
 
 
 def confine(config: dict, out_fd: int) -> dict:
@@ -147,6 +231,9 @@ def confine(config: dict, out_fd: int) -> dict:
     libc = _libc()
     root = os.geteuid() == 0
     sandbox["network"] = "isolated" if root and libc.unshare(CLONE_NEWNET) == 0 else "not isolated"
+    # System V IPC (shared memory, semaphores, queues) of its own, gone when it ends; where the kernel
+    # refuses, its monitor removes the shared-memory segments it created (zygote.remove_segments).
+    sandbox["ipc"] = "own namespace" if libc.unshare(CLONE_NEWIPC) == 0 else "shared; its segments removed afterwards"
     limits = config["limits"]
     cpu = int(limits["submission_seconds"]) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -219,7 +306,7 @@ def _error_reply(exc: BaseException) -> dict:
             "traceback": user_traceback(exc)[-TEXT_LIMIT:]}
 
 
-def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict, hits: list) -> None:
+def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> None:
     target, method = targets.get(header.get("convention")), header.get("method")
     before = [wire.raw_bytes(wire.span_view(t)) for t in tensors]  # as they arrived: the call may write into them
     args = wire.unpack(header.get("args", []), tensors)
@@ -245,41 +332,55 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict, hits
     # (None: unchanged, byte for byte).
     reply["inputs"] = [None if wire.raw_bytes(wire.span_view(t)) == raw else wire.pack(wire.span_view(t), reply_tensors)
                        for t, raw in zip(tensors, before)]
-    reply["forbidden"] = sorted(set(hits))
-    chan.send(reply, reply_tensors)
+    try:
+        chan.send(reply, reply_tensors)
+    except wire.ProtocolError as exc:  # a result the wire does not carry (_plain lets none through): its answer
+        chan.send({"error": "bad-output", "message": f"{method} returned what the grader cannot read: {exc}"[:TEXT_LIMIT],
+                   "inputs": [None] * len(tensors)})
 
 
-def serve(chan_fd: int, out_fd: int, config: dict) -> None:
+def _read_entry(config: dict) -> dict:
+    """{"source": bytes}, or why the entry file cannot be graded (read with the sandbox user's rights)."""
+    entry, limit = config["entry"], int(config["limits"]["source_kb"] * 1024)
+    try:
+        with open(os.path.join(config["scratch"], entry), "rb") as fh:
+            source = fh.read(limit + 1)
+    except OSError as exc:  # a link to a file it may not read, a folder, ...: the submission's problem
+        return {"unreadable": f"cannot read {entry}: {exc.strerror or type(exc).__name__}"}
+    if len(source) > limit:
+        return {"too_large": f"{entry} is larger than {config['limits']['source_kb']:g} KB"}
+    return {"source": source}
+
+
+def serve(chan_fd: int, out_fd: int, hits_fd: int, config: dict) -> None:
     """The child's life: confine, scan, import, then answer the grader's calls until it kills us."""
     chan = wire.Channel(socket.socket(fileno=chan_fd))
     try:
-        hits = install_tripwires(config["forbidden"])
+        names = arm_tripwires(config["forbidden"])  # already armed in the zygote: no work here
+        _HITS[0] = hits_fd
         sandbox = confine(config, out_fd)
-        with open(os.path.join(config["scratch"], config["entry"]), "rb") as fh:
-            source = fh.read(int(config["limits"]["source_kb"] * 1024) + 1)
     except Exception as exc:  # noqa: BLE001 - the sandbox itself failed: the grader's problem, not the student's
         chan.send({"stage": "sandbox-error", "message": f"{type(exc).__name__}: {exc}"[:TEXT_LIMIT]})
         return
-    if len(source) > config["limits"]["source_kb"] * 1024:
-        report = {"too_large": f"{config['entry']} is larger than {config['limits']['source_kb']:g} KB"}
-    else:
-        report = scan(source, config["entry"], config["forbidden"])
+    report = _read_entry(config)
+    if "source" in report:
+        report = scan(report.pop("source"), config["entry"], list(config["forbidden"]) + names)
     chan.send({"stage": "scanned", "sandbox": sandbox, **report})
-    if "syntax_error" in report or "too_large" in report:
+    if set(report) & {"syntax_error", "too_large", "unreadable"}:
         return
     loaded = _load(config)
     targets = loaded.pop("targets", {})
-    chan.send({"stage": "loaded", **loaded, "forbidden_calls": sorted(set(hits))})
+    chan.send({"stage": "loaded", **loaded})
     while True:
         header, tensors = chan.recv(devices=config["devices"])
-        _answer(chan, header, tensors, targets, hits)
+        _answer(chan, header, tensors, targets)
 
 
-def run(chan_fd: int, out_fd: int, config: dict):
+def run(chan_fd: int, out_fd: int, hits_fd: int, config: dict):
     """Entry point in the forked child; never returns."""
     code = 0
     try:
-        serve(chan_fd, out_fd, config)
+        serve(chan_fd, out_fd, hits_fd, config)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except wire.PeerClosed:

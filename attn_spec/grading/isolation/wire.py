@@ -34,6 +34,7 @@ _NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 _ITEMSIZE = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in WIRE_DTYPES.values()}
 MAX_HEADER = 1 << 20  # bytes of JSON in one frame
 MAX_DIMS = 8
+MAX_EXTENT = 1 << 40  # largest size, stride or element count of a tensor on the wire (a view may be larger than its bytes)
 BROKEN = 70  # a child's exit status when the kit's own code fails in it (EX_SOFTWARE)
 
 
@@ -80,8 +81,9 @@ def encode_tensor(t: torch.Tensor) -> tuple[dict, bytes]:
 
 
 def _int_list(value, what) -> list[int]:
-    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(type(x) is int and x >= 0 for x in value):
-        raise ProtocolError(f"{what} must be a list of at most {MAX_DIMS} non-negative integers")
+    if (not isinstance(value, list) or len(value) > MAX_DIMS
+            or not all(type(x) is int and 0 <= x <= MAX_EXTENT for x in value)):
+        raise ProtocolError(f"{what} must be a list of at most {MAX_DIMS} integers from 0 to 2**40")
     return value
 
 
@@ -97,6 +99,11 @@ def check_record(record, devices) -> tuple[torch.dtype, list[int], list[int], in
     nbytes, device = record.get("nbytes"), record.get("device")
     if len(strides) != len(shape) or type(nbytes) is not int or nbytes < 0:
         raise ProtocolError("shape, strides and nbytes disagree")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel > MAX_EXTENT:  # a stride-0 view of a few bytes may claim any shape
+        raise ProtocolError(f"a tensor of shape {shape} has more than 2**40 elements")
     if nbytes != _span(shape, strides) * _ITEMSIZE[dtype]:
         raise ProtocolError(f"nbytes={nbytes} but shape {shape} with strides {strides} needs "
                             f"{_span(shape, strides) * _ITEMSIZE[dtype]}")
@@ -200,7 +207,14 @@ class Channel:
         checked = [check_record(r, devices) for r in records]
         if sum(c[3] for c in checked) > max_bytes:
             raise ProtocolError(f"the frame carries more than {max_bytes} bytes of tensors")
-        return header, [decode_tensor(c, self._take(c[3], deadline)) for c in checked]
+        tensors = []
+        for c in checked:
+            data = self._take(c[3], deadline)
+            try:
+                tensors.append(decode_tensor(c, data))
+            except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # a record torch will not build
+                raise ProtocolError(f"a tensor record cannot be rebuilt ({type(exc).__name__}: {str(exc)[:200]})") from None
+        return header, tensors
 
 
 # ---------------------------------------------------------------- control datagrams

@@ -1,12 +1,15 @@
 """The zygote: a warm process that imports torch once and forks one fresh child per submission.
 
-Started by :func:`launch` as ``python -c "from attn_spec.grading.isolation.zygote import main; main(FD)"`` with
-``OMP_NUM_THREADS=1`` (so it stays single-threaded and forking is safe) in an empty working folder.
+Started by :func:`launch` as a fresh interpreter (``python -I -B -c "...; main(FD)"``) with an
+*empty* environment but for ``OMP_NUM_THREADS=1`` (so it stays single-threaded and forking is safe)
+and what the dynamic linker and CUDA need (:data:`PASSED_ENV`), in an empty working folder: nothing of
+the grader's environment (its tokens, say) is in its memory, nor in its children's.
 This module imports nothing heavy at the top, so the grader can launch the zygote first and import
 torch and the catalog while the zygote does the same.
 It imports torch and :mod:`attn_spec.grading.isolation.sandbox`, does no tensor math, then waits on the
-socket FD for spawn requests: a JSON config plus three file descriptors (the child's channel to
-the grader, a control socket, the write end of the output pipe).
+socket FD for spawn requests: a JSON config plus four file descriptors (the child's channel to
+the grader, a control socket, the write end of the output pipe, the write end of the pipe its
+tripwires report forbidden calls on). At the first request it arms the tripwires, once for all children.
 
 For each request it forks a *monitor*, and the monitor forks the child. The monitor is the
 child's parent: it reports the child's pid, kills the child's process group when the grader
@@ -28,6 +31,8 @@ import time
 from dataclasses import dataclass
 
 POLL_SECONDS = 0.02
+# The only variables the zygote gets from the grader's environment: none of them holds a secret.
+PASSED_ENV = ("LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES")
 # A child that runs as an unprivileged user may be unable to read the Python installation (under
 # /root, say), so whatever it imports later must already be in memory: the whole standard library
 # with its submodules (less a few with side effects or no use here) and the modules torch imports
@@ -69,10 +74,11 @@ class Launch:
     sock: socket.socket
 
     def close(self) -> None:
-        """Stop the zygote (it exits when its socket closes) and remove the scratch base folder."""
+        """Stop the zygote (idle, it exits when its socket closes; still starting, it is killed) and
+        remove the scratch base folder."""
         self.sock.close()
         try:
-            self.proc.wait(5)
+            self.proc.wait(0.5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -84,10 +90,13 @@ def launch() -> Launch:
     base = tempfile.mkdtemp(prefix="attn-spec-grade-")
     os.chmod(base, 0o711)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    code = f"from attn_spec.grading.isolation.zygote import main; main({theirs.fileno()})"
-    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], cwd=base, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8",
+           **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}}
+    path = [p for p in sys.path if p]  # the grader's own imports (a PYTHONPATH included), passed as data
+    code = (f"import sys; sys.path[:] = {path!r}; "
+            f"from attn_spec.grading.isolation.zygote import main; main({theirs.fileno()})")
+    proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", code], pass_fds=[theirs.fileno()], cwd=base,
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             start_new_session=True)  # Ctrl-C reaches the grader, which tears everything down
     theirs.close()
     return Launch(base, proc, mine)
@@ -109,8 +118,24 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def remove_segments(pid: int) -> None:
+    """Remove the System V shared-memory segments process ``pid`` created (where it had no IPC namespace)."""
+    try:
+        with open("/proc/sysvipc/shm") as fh:
+            rows = [line.split() for line in fh.readlines()[1:]]
+    except OSError:
+        return
+    mine = [int(row[1]) for row in rows if len(row) > 4 and row[4] == str(pid)]  # columns: key shmid perms size cpid
+    if mine:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for shmid in mine:
+            libc.shmctl(shmid, 0, None)  # IPC_RMID: gone once nothing has it attached (its creator is dead)
+
+
 def monitor(ctrl: socket.socket, pid: int) -> None:
-    """Watch one child: kill its group on request, report its exit status, then return."""
+    """Watch one child: kill its group on request, report its exit status, clean up after it, return."""
     from attn_spec.grading.isolation import wire
 
     wire.send_message(ctrl, {"pid": pid})
@@ -130,6 +155,7 @@ def monitor(ctrl: socket.socket, pid: int) -> None:
             if message is None:  # nobody left to report to
                 ctrl = None
     _kill_group(pid)  # anything left in its group, while its pid cannot be reused (not yet reaped)
+    remove_segments(pid)
     _, status, rusage = os.wait4(pid, 0)
     if ctrl is not None:
         try:
@@ -140,16 +166,16 @@ def monitor(ctrl: socket.socket, pid: int) -> None:
 
 def _spawn(config: dict, fds: list[int]) -> None:
     """In the monitor process: fork the child and watch it."""
-    chan, ctrl_fd, out = fds
+    chan, ctrl_fd, out, hits = fds
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     pid = os.fork()
     if pid == 0:
         os.close(ctrl_fd)
         from attn_spec.grading.isolation import sandbox
 
-        sandbox.run(chan, out, config)  # never returns
-    os.close(chan)
-    os.close(out)
+        sandbox.run(chan, out, hits, config)  # never returns
+    for fd in (chan, out, hits):
+        os.close(fd)
     monitor(socket.socket(fileno=ctrl_fd), pid)
 
 
@@ -169,14 +195,21 @@ def main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, _reap)
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    wire.send_message(sock, {"ready": True, "threads": threads})
+    try:
+        wire.send_message(sock, {"ready": True, "threads": threads})
+    except OSError:  # the grader gave up while we started (a usage error): nothing to say
+        return
     while True:
         try:
-            message, fds = wire.recv_message(sock, maxfds=3)
+            message, fds = wire.recv_message(sock, maxfds=4)
         except OSError:  # the grader is gone
             return
         if message is None:
             return
+        try:
+            sandbox.arm_tripwires(message["config"]["forbidden"])  # once, for every child to come
+        except Exception:  # noqa: BLE001 - the child arms them itself and reports what failed
+            pass
         pid = os.fork()
         if pid == 0:
             sock.close()
