@@ -256,7 +256,7 @@ def bench_grade(rows, n: int) -> None:
                          f"{walls[jobs]:.1f} s / {mixed_wall:.1f} s",
                          f"{walls[jobs] / n:.2f} / {mixed_wall / n:.2f} s per submission, start-up included; "
                          f"{cpu / walls[jobs]:.2f} cores busy grading the correct class",
-                         f"{n} correct < 90 s" if jobs == 2 else "", _met(walls[jobs] < 90) if jobs == 2 else ""])
+                         f"{n} correct < 60 s" if jobs == 2 else "", _met(walls[jobs] < 60) if jobs == 2 else ""])
         graded = json.loads((tmp / "correct-out-1" / "grades.json").read_text())["submissions"]
         steady = statistics.mean(g["seconds"] for g in graded)  # fork, load, every check, teardown
         judged = statistics.mean(sum(p["seconds"] for p in g["properties"]) for g in graded)  # the checks alone
