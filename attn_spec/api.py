@@ -59,6 +59,11 @@ def plan(settings: attn_settings.Settings) -> Plan:
                 devices, expectations)
 
 
+def target_options(settings: attn_settings.Settings) -> dict:
+    """make_target's keywords from the settings: layout, expect_mask, expect_score."""
+    return {"layout": settings["layout"], "expect_mask": settings["expect-mask"], "expect_score": settings["expect-score"]}
+
+
 def load_targets(settings: attn_settings.Settings, name: str | None = None, *, not_loaded: list | None = None,
                  verbose: bool = False) -> list[Target]:
     """The TARGET specs of the settings, loaded: what importing each printed is kept, the global state it
@@ -70,12 +75,17 @@ def load_targets(settings: attn_settings.Settings, name: str | None = None, *, n
         try:
             targets.append(load(spec, settings["convention"], name=name or spec, root=root,
                                 masks=settings["masks"] or None, inference_only=settings["inference-only"],
-                                verbose=verbose))
+                                verbose=verbose, **target_options(settings)))
         except (TargetLoadError, KitUsageError) as exc:
             if not_loaded is None:
                 raise
             not_loaded.append({"target": spec, "message": str(exc)})
     return targets
+
+
+def dtypes_for(target: Target, plan: Plan) -> list[str]:
+    """The dtypes named in the settings, else the target convention's own (hf: no float64), else all."""
+    return plan.dtypes if plan.settings["dtypes"] else list(target.default_dtypes or plan.dtypes)
 
 
 def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True,
@@ -89,9 +99,10 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
     reports = []
     for target in targets:
         target.inference_only = target.inference_only or s["inference-only"]
-        reports.append(check_target(target, plan.properties, profile=s["profile"], seed=plan.seed, dtypes=plan.dtypes,
-                                    devices=plan.devices, progress=progress, require=s["require"],
-                                    exitfirst=exitfirst, expected=expected, diagnose=diagnose, verbose=verbose))
+        reports.append(check_target(target, plan.properties, profile=s["profile"], seed=plan.seed,
+                                    dtypes=dtypes_for(target, plan), devices=plan.devices, progress=progress,
+                                    require=s["require"], exitfirst=exitfirst, expected=expected, diagnose=diagnose,
+                                    verbose=verbose))
     report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes,
                     not_loaded=list(not_loaded))
     if plan.expectations:
@@ -101,14 +112,13 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
 
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
           devices=None, require=None, expect=None, inference_only=None, progress=None, exitfirst=False,
-          verbose=False, config=False, diagnose=True, masks=None) -> Report:
+          verbose=False, config=False, diagnose=True, masks=None, layout=None, expect_mask=None,
+          expect_score=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     ``masks``: the mask forms the targets take, ``("bool",)`` or ``("bool", "additive")`` (default:
-    each convention's own; additive float masks are part of the sdpa and torch-mha conventions only).
-    ``inference_only``: the targets are inference kernels, so an output without autograd makes
-    ``gradients`` a skip instead of a failure. ``verbose``: the report keeps all of the targets'
-    captured output (prints, warnings, log records), not only the count and first occurrence.
+    each convention's own; additive float masks are part of the sdpa, torch-mha and flex conventions,
+    and of hf where Hugging Face builds float masks).
 
     >>> report = attn_spec.check(my_attention, profile="quick")
     >>> report.conforms, print(report)
@@ -121,10 +131,14 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     ``verbose``: the report keeps all of the targets' captured output (prints, warnings, log
     records), not only the count and first occurrence. A target that cannot be wrapped (an adapter
     class that raises when instantiated) is listed in ``report.not_loaded``; the others are checked.
+    ``layout`` (bhsd, bshd), ``expect_mask`` and ``expect_score`` are passed to ``make_target``
+    (attn_spec.targets.conventions). Without ``dtypes``, each target is checked in its convention's dtypes
+    (hf: float32, float16, bfloat16).
     """
     given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
                             dtypes=dtypes, devices=devices, require=require, expect=expect,
-                            inference_only=inference_only, masks=masks)
+                            inference_only=inference_only, masks=masks, layout=layout, expect_mask=expect_mask,
+                            expect_score=expect_score)
     if not config:
         settings = attn_settings.resolve([given])
     else:
@@ -133,13 +147,14 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     masks = settings["masks"] or None  # None: each convention's own
     not_loaded = []
     if targets:
-        loaded = []
+        loaded, options = [], target_options(settings)
         for obj in targets:
             key = name if len(targets) == 1 else (obj if isinstance(obj, str) else None)
             try:
                 loaded.append(obj if isinstance(obj, Target) else
-                              load(obj, settings["convention"], name=key, masks=masks, verbose=verbose)
-                              if isinstance(obj, str) else make_target(obj, key, settings["convention"], masks))
+                              load(obj, settings["convention"], name=key, masks=masks, verbose=verbose, **options)
+                              if isinstance(obj, str) else make_target(obj, key, settings["convention"], masks,
+                                                                      verbose=verbose, **options))
             except TargetLoadError as exc:  # an adapter class that raises when instantiated: the others still run
                 not_loaded.append({"target": key or getattr(obj, "__qualname__", repr(obj)), "message": str(exc)})
         for target in loaded:
@@ -157,12 +172,15 @@ def config_keywords(**values) -> attn_settings.Layer:
     return attn_settings.keywords(values, "the keyword argument {key}", base=None)
 
 
-def reproduce(property_id: str, target, case, *, convention=None, masks=None) -> None:
-    """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold."""
+def reproduce(property_id: str, target, case, *, convention=None, masks=None, **options) -> None:
+    """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold.
+
+    ``masks`` and ``options`` (layout, expect_mask, expect_score): make_target's keywords, as a report's
+    snippet gives them."""
     prop = select(only=[property_id])[0]
     obj = load_target(target) if isinstance(target, str) else target
     adapter = obj if isinstance(obj, Target) else make_target(obj, target if isinstance(target, str) else None,
-                                                               convention, masks)
+                                                               convention, masks, **options)
     try:
         prop.fn(adapter, case)
     except Failure as failure:

@@ -32,17 +32,20 @@ class Failure(AttnSpecError, AssertionError):
 
     Raise it through :mod:`attn_spec.checking.assertions`, which words every failure in one grammar.
     ``message`` says what was measured and what was expected; ``cause`` is the likely bug in one
-    sentence; ``got``/``expected`` are small tensors to print side by side. ``vacuous``: the property
+    sentence; ``got``/``expected`` are small tensors to print side by side; ``mask`` (True = may attend) the
+    pattern the heatmaps hatch, where it is not the case's own mask; ``summary`` what the counterexample was,
+    where it is not the case's attention inputs (a FlexAttention mod's sizes). ``vacuous``: the property
     would have held only trivially (the output ignores its inputs); the report shows it blocked by
     the root property, whose own failure names the problem.
     """
 
-    def __init__(self, message: str, *, cause: str = "", got=None, expected=None, labels=None, inputs=None,
-                 vacuous: bool = False):
+    def __init__(self, message: str, *, cause: str = "", got=None, expected=None, labels=None, inputs=None, mask=None,
+                 summary: str = "", vacuous: bool = False):
         super().__init__(message)
         self.message, self.cause, self.got, self.expected = message, cause, got, expected
         self.labels = labels  # (what got is, what expected is), e.g. ("weights read with V = identity", ...)
         self.inputs = inputs  # name -> tensor: the inputs of the call shown, when they are not the case's
+        self.mask, self.summary = mask, summary
         self.vacuous = vacuous
 
 

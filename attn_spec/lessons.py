@@ -247,11 +247,47 @@ def _ex_multihead() -> str:
                       _m("Concat(head₀, head₁) W_Oᵀ", concat)])
 
 
+def _ex_window() -> str:
+    q = k = _t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    v = _t([[1.0], [2.0], [3.0]])
+    out, w = reference.attention(q, k, v, window=2)
+    return "\n".join([_m("Q = K", q), _m("V", v), _m("window of w = 2 keys (True = may attend)",
+                                                     reference.causal_mask(3, 3, window=2).double()),
+                      _m("A", w) + "   (query 2 sees keys 1 and 2, not key 0)", _m("out", out)])
+
+
+def _ex_softcap() -> str:
+    q = Q * 4  # scores up to about 11
+    _, w = reference.attention(q, K, V)
+    _, capped = reference.attention(q, K, V, softcap=2.0)
+    s = q @ K.T / 2 ** 0.5
+    return "\n".join([_m("Q × 4", q), _m("scores s", s), _m("2 · tanh(s / 2)", 2 * torch.tanh(s / 2)) + "   (in (−2, 2))",
+                      _m("A without a cap", w), _m("A with softcap = 2", capped) + "   (flatter: no score exceeds 2)"])
+
+
+def _ex_mask_mod() -> str:
+    causal = reference.causal_mask(3, 3)
+    strict = causal & ~torch.eye(3, dtype=torch.bool)  # kv_idx < q_idx
+    _, w = reference.attention(Q[:1].expand(3, 2), K[:1].expand(3, 2), V[:1].expand(3, 2), causal)
+    return "\n".join([_m("causal: kv_idx <= q_idx", causal.double()), _m("written with <: kv_idx < q_idx", strict.double())
+                       + "   (row 0 keeps no key)", _m("A under the causal mask, equal scores", w),
+                       "under the strict mask query 0 attends nothing: FlexAttention gives it 0.0, SDPA NaN"])
+
+
+def _ex_score_mod() -> str:
+    slopes = 2.0 ** (-8.0 * torch.arange(1, 3, dtype=F64) / 2)  # 2 heads
+    distance = (torch.arange(3)[None, :] - torch.arange(3)[:, None]).double()  # kv_idx - q_idx
+    return "\n".join([_m("ALiBi slopes m_h for H = 2", slopes), _m("kv_idx − q_idx", distance),
+                      _m("head 0 bias m_0 (kv_idx − q_idx)", slopes[0] * distance) + "   (distant keys lose score)",
+                      _m("softcap:2 of scores [−10, −1, 0, 1, 10]", 2 * torch.tanh(_t([-10.0, -1, 0, 1, 10]) / 2))])
+
+
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
             "permutation": _ex_permutation, "scale": _ex_scale, "shapes": _ex_shapes, "shift": _ex_shift,
             "linearity": _ex_linearity, "stability": _ex_stability, "batch": _ex_batch, "dtype": _ex_dtype,
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
-            "multihead": _ex_multihead}
+            "multihead": _ex_multihead, "window": _ex_window, "softcap": _ex_softcap, "mask-mod": _ex_mask_mod,
+            "score-mod": _ex_score_mod}
 
 
 # Mistake models: ``attn-spec explain MISTAKE-ID`` (the catalog of attn_spec.diagnosis).

@@ -235,14 +235,16 @@ class PropertyItem(_AttnItem):
         self.prop = prop
 
     def runtest(self) -> None:
+        from attn_spec.api import dtypes_for
         from attn_spec.checking.catalog import REGISTRY
         from attn_spec.checking.runner import run_property
         from attn_spec.diagnosis.run import diagnose_one
         from attn_spec.report.text import failure_text
 
         c = self.checker
-        result = run_property(self.prop, c.targets[self.key], profile=c.profile, seed=c.plan.seed,
-                              dtypes=c.plan.dtypes, devices=c.plan.devices, verbose=True)
+        target = c.targets[self.key]
+        result = run_property(self.prop, target, profile=c.profile, seed=c.plan.seed, dtypes=dtypes_for(target, c.plan),
+                              devices=c.plan.devices, verbose=True)
         for kind, found in (result.output or {}).items():  # shown as pytest shows a test's captured output
             text = found["all"] if isinstance(found["all"], str) else "\n".join(
                 item["text"] + (f" (x{item['count']})" if item["count"] > 1 else "") for item in found["all"])
@@ -274,6 +276,7 @@ class RequirementItem(_AttnItem):
         self.requirement = requirement
 
     def runtest(self) -> None:
+        from attn_spec.api import dtypes_for
         from attn_spec.checking.runner import _requirements
         from attn_spec.report import TargetReport
         from attn_spec.targets.behaviours import probe_behaviours
@@ -282,9 +285,10 @@ class RequirementItem(_AttnItem):
         c, target = self.checker, self.checker.targets[self.key]
         if self.key not in c.probed:
             report = TargetReport(target.name, target.convention)
-            dtype = "float32" if "float32" in c.plan.dtypes else c.plan.dtypes[0]
+            dtypes = dtypes_for(target, c.plan)
+            dtype = "float32" if "float32" in dtypes else dtypes[0]
             report.behaviours = probe_behaviours(target, dtype, c.plan.devices[0])
-            report.capabilities, report.lacks = probe_capabilities(target, c.plan.dtypes, c.plan.devices[0])
+            report.capabilities, report.lacks = probe_capabilities(target, dtypes, c.plan.devices[0])
             c.probed[self.key] = report
         kind, _, name = self.requirement.partition(":")
         wanted = [r for r in c.settings["require"] if (r.partition("=")[0] if "=" in r else r) == name]
@@ -314,6 +318,7 @@ def _marked(item, session: AttnSpecSession) -> list:
 
 
 def _marker_checker(item, mark, session: AttnSpecSession):
+    from attn_spec.api import target_options
     from attn_spec.targets.conventions import make_target
     from attn_spec.targets.loading import load_target, spec_of
 
@@ -330,7 +335,8 @@ def _marker_checker(item, mark, session: AttnSpecSession):
     else:
         key, obj = spec_of(target) or getattr(target, "__qualname__", type(target).__name__), target
     return Checker(settings, seed, {key: make_target(obj, key, settings["convention"], settings["masks"] or None,
-                                                     inference_only=settings["inference-only"])}), key
+                                                     inference_only=settings["inference-only"],
+                                                     **target_options(settings))}), key
 
 
 class MarkerError(pytest.Item):

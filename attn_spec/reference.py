@@ -2,6 +2,10 @@
 
     Attention(Q, K, V) = softmax(scale * Q K^T + bias) V,        scale = 1 / sqrt(d_k)
 
+Two options of real models: logit soft-capping replaces each scaled score s by cap * tanh(s / cap)
+before the mask and the softmax (Gemma 2, Grok); a sliding window of w keys lets query i see key j
+only when i - w < j <= i (Mistral, Gemma 2; causal, aligned like ``causal``).
+
 Shapes use one vocabulary: ``...`` leading batch/head dims, ``Tq`` queries, ``Tk`` keys,
 ``Dk`` query/key width, ``Dv`` value width, ``D`` model width, ``H`` heads.
 
@@ -22,23 +26,27 @@ import torch
 F64 = torch.float64
 
 
-def causal_mask(n_q: int, n_kv: int, *, alignment: str = "top-left", device=None) -> torch.Tensor:
-    """Bool mask [Tq, Tk], True where query i may attend key j."""
+def causal_mask(n_q: int, n_kv: int, *, alignment: str = "top-left", device=None, window=None) -> torch.Tensor:
+    """Bool mask [Tq, Tk], True where query i may attend key j (and, with a window of w keys, i - w < j)."""
     offset = 0 if alignment == "top-left" else n_kv - n_q
-    i = torch.arange(n_q, device=device)[:, None]  # [Tq, 1]
+    i = torch.arange(n_q, device=device)[:, None] + offset  # [Tq, 1]
     j = torch.arange(n_kv, device=device)[None, :]  # [1, Tk]
-    return j <= i + offset  # [Tq, Tk]
+    return (j <= i) if window is None else (j <= i) & (j > i - window)  # [Tq, Tk]
 
 
-def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment="top-left"):
+def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment="top-left", window=None,
+              softcap=None):
     """Scaled dot-product attention in float64 on the CPU; returns ``(out, weights)``.
 
     q [..., Tq, Dk], k [..., Tk, Dk], v [..., Tk, Dv]; mask bool or float, broadcastable
-    to [..., Tq, Tk]. Leading dims broadcast like matmul.
+    to [..., Tq, Tk]. Leading dims broadcast like matmul. ``window``: w keys (implies causal);
+    ``softcap``: the cap of cap * tanh(scores / cap).
     """
     q, k, v = (t.to("cpu", F64) for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     scores = scale * (q @ k.transpose(-2, -1))  # [..., Tq, Dk] x [..., Dk, Tk] -> [..., Tq, Tk]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)  # in (-cap, cap), before any mask
     allowed = torch.ones_like(scores, dtype=torch.bool)  # [..., Tq, Tk]
     if mask is not None:
         mask = mask.detach().cpu()
@@ -46,8 +54,8 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment=
             allowed = allowed & mask
         else:
             scores = scores + mask.to(F64)
-    if causal:
-        allowed = allowed & causal_mask(*scores.shape[-2:], alignment=causal_alignment)
+    if causal or window is not None:
+        allowed = allowed & causal_mask(*scores.shape[-2:], alignment=causal_alignment, window=window)
     scores = scores.masked_fill(~allowed, -math.inf)
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., Tq, 1] rows with no key
     scores = scores.masked_fill(empty, 0.0)  # not softmax(-inf, ..., -inf) = NaN: its gradient would be NaN too

@@ -27,7 +27,7 @@ from attn_spec.errors import KitUsageError
 
 TABLE = "[tool.attn-spec]"
 PRECEDENCE = "command line > environment > pyproject.toml > defaults"
-CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
+CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod")
 PROFILES = ("quick", "default", "thorough")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
@@ -111,8 +111,13 @@ _SETTINGS = (
     Setting("inference-only", "the targets are inference kernels: an output without autograd makes gradients a "
             "skip, not a failure (function, module and adapter targets must otherwise be differentiable)",
             kind="bool", default=False),
-    Setting("layout", "input layout of function and sdpa targets: bhsd or bshd (default: detected)",
-            choices=("bhsd", "bshd"), metavar="LAYOUT", pending="issue 15", unset="detected"),
+    Setting("layout", "input layout of function and sdpa targets: bhsd = [B, H, S, D] (PyTorch) or bshd = "
+            "[B, S, H, D] (flash-attn, xformers) (default: detected where unambiguous, else bhsd)",
+            choices=("bhsd", "bshd"), metavar="LAYOUT", unset="detected"),
+    Setting("expect-mask", "what a FlexAttention mask_mod(b, h, q_idx, kv_idx) computes: causal, sliding-window:W, "
+            "prefix-lm:P or document:IDS, joined with + (implies the mask-mod convention)", metavar="STATEMENT"),
+    Setting("expect-score", "what a FlexAttention score_mod(score, b, h, q_idx, kv_idx) computes: alibi, softcap:C "
+            "or relative-bias (implies the score-mod convention)", metavar="STATEMENT"),
     Setting("shapes", "check at these shapes: B,H,N,D or B,H,HKV,NQ,NKV,D", kind="list", split=r"\s+",
             item=_shape, metavar="SHAPE", pending="issue 16"),
 )

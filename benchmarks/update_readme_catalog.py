@@ -5,7 +5,7 @@
 from pathlib import Path
 
 import attn_spec.properties  # noqa: F401 - fills the registry
-from attn_spec.targets.conventions import CONVENTIONS
+from attn_spec.targets.conventions import ATTENTION_CONVENTIONS
 from attn_spec.checking.catalog import REGISTRY
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -14,7 +14,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def table() -> str:
     rows = ["| id | family | statement | conventions |", "|---|---|---|---|"]
     for p in REGISTRY.values():
-        conventions = "all" if set(p.conventions) == set(CONVENTIONS) else ", ".join(p.conventions)
+        conventions = "all" if set(p.conventions) == set(ATTENTION_CONVENTIONS) else ", ".join(p.conventions)
         rows.append(f"| `{p.id}` | {p.family} | {p.statement} | {conventions} |")
     return "\n".join(rows)
 

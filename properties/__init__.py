@@ -41,6 +41,8 @@ from attn_spec.properties.robustness import (determinism, dtype_device, gqa_equi
                                              long_sequences, non_contiguous)
 from attn_spec.properties.gradients import gradients
 from attn_spec.properties.arguments import is_causal, scale_argument
+from attn_spec.properties.windows import sliding_window, softcap
+from attn_spec.properties.mods import mask_mod_rows, mask_mod_statement, score_mod_statement
 from attn_spec.properties.devices import devices_agree
 
 __all__ = ["REGISTRY", "Property", "select", "check_property",
@@ -48,7 +50,8 @@ __all__ = ["REGISTRY", "Property", "select", "check_property",
            "head_concat_equivalence", "matches_reference", "mask_semantics", "batch_independence",
            "value_linearity", "key_shift_invariance", "numerical_stability", "determinism", "inputs_unchanged",
            "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
-           "scale_argument", "is_causal", "devices_agree"]
+           "scale_argument", "is_causal", "sliding_window", "softcap", "mask_mod_statement", "mask_mod_rows",
+           "score_mod_statement", "devices_agree"]
 
 
 def select(only=None, skip=None) -> list[Property]:
@@ -75,7 +78,8 @@ def check_property(property_id: str, target, *, convention=None, profile="defaul
     adapter = target if isinstance(target, Target) else make_target(target, convention=convention, masks=masks)
     adapter.masks = parse_masks(masks) or adapter.masks
     seed = random.randrange(2**32) if seed is None else seed
-    result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=list(dtypes or DTYPES),
+    dtypes = list(dtypes or adapter.default_dtypes or DTYPES)
+    result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=dtypes,
                           devices=list(devices or available_devices()))
     if result.status in ("fail", "error"):
         raise AssertionError(failure_text(result, diagnose_one(adapter, result, REGISTRY)))

@@ -65,7 +65,7 @@ def _leak_cause(w, allowed, q, k, mask) -> str:
 
 @prop("mask-semantics", family="masking",
       statement="masked keys get exactly zero weight; the output does not depend on K or V at masked positions; "
-                "where additive masks are in the target's contract (sdpa, torch-mha, or declared with --masks), "
+                "where additive masks are in the target's contract (sdpa, torch-mha, flex, hf with float masks, or declared with --masks), "
                 "a bool mask and the equivalent additive -inf mask agree",
       cases={"masks": ("random", "causal"), "min_n_kv": 2}, after=("rows-sum-to-one", "scale-sqrt-dk"),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, mask="causal"),
@@ -81,7 +81,7 @@ def mask_semantics(target, case):
 
     Moving K and V at masked positions to huge finite values (raw scores near +1e6, or
     finfo.max / 64 in float16) must not change the output. Where additive masks are in the
-    target's contract (sdpa, torch-mha, or declared: ``--masks bool,additive``), a float mask
+    target's contract (sdpa, torch-mha, flex, hf with float masks, or declared: ``--masks bool,additive``), a float mask
     of 0 / -inf must give what the bool mask gives, and a finite float mask acts as a bias
     added *after* scaling; other targets get bool masks only. NaN in masked K/V is a convention (``0 * NaN`` propagates), probed and
     reported in the header, not judged here.
@@ -140,7 +140,7 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
 def _check_float_mask(target, case, q, k, v, mask):
     """0 / -inf float mask == bool mask; a finite float mask is a bias added after scaling.
 
-    Only for targets whose contract includes additive masks (sdpa, torch-mha, or declared)."""
+    Only for targets whose contract includes additive masks (sdpa, torch-mha, flex, hf with float masks, or declared)."""
     if "additive" not in target.masks:
         return  # promised bool masks only: a float mask would be read as a bool one, rightly
     float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)

@@ -204,5 +204,11 @@ def matches_reference(target, case):
     allowed = budget(q, k, v, mask, expected)
     assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
                  call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
-                 cause=lambda: diagnose_mismatch(got.detach().cpu().double(), q, k, v, mask, allowed)
-                 or ignored_inputs(target, case))
+                 cause=lambda: _mismatch(target, got, q, k, v, mask, allowed) or ignored_inputs(target, case))
+
+
+def _mismatch(target, got, q, k, v, mask, allowed) -> str:
+    """The convention's own misreadings first (a [B, S, H, D] kernel read transposed), then the classic mistakes."""
+    got64 = got.detach().cpu().double()
+    own = next((text for text, out in target.mistakes(q, k, v, mask) if max_error(got64, out) <= allowed), "")
+    return own or diagnose_mismatch(got64, q, k, v, mask, allowed)

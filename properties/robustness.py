@@ -364,6 +364,10 @@ def gqa_equivalence(target, case):
     try:
         got = target.attend(*_grouped_inputs(case, n_heads, n_kv_heads))  # [..., Hq, Tq, Dv]
     except TargetRaised as exc:
+        if target.gqa_contract:  # grouped heads are part of the convention (hf, flex): raising on them is a failure
+            exc.cause = (f"the target ignores {target.gqa_contract}: K/V heads are not repeated to the query heads "
+                         f"(query head h reads KV head h // g)")
+            raise
         raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
                           f"{exc.message}", total=True) from None
     require_responsive(target, case)

@@ -122,7 +122,7 @@ def test_verbose_keeps_all_of_it_and_the_text_report_shows_it():
     text = str(report)
     assert "output of the target (captured):" in text and f"(x{found['count']})" in text
     quiet = str(attn_spec.check(mb.warns_every_call, only=["matches-reference"], **RUN))
-    assert "warnings: " in quiet and "first, in matches-reference: 'UserWarning: attention: falling back" in quiet
+    assert "warnings: " in quiet and "first, in layout probe: 'UserWarning: attention: falling back" in quiet
 
 
 def test_a_bug_of_the_kits_own_is_an_error_row_and_the_rest_still_run(monkeypatch):

@@ -66,3 +66,31 @@ def test_the_settings_table_names_every_setting():
         row = next((r for r in rows if f"`{s.name}`" in r.split("|")[1]), None)
         assert row is not None, f"README's settings table lacks {s.name}"
         assert s.env in row and s.pytest_flag in row and s.ini in row, row
+
+
+def test_attention_interface_example_is_the_shipped_file():
+    shipped = (ROOT / "examples" / "hf_attention.py").read_text(encoding="utf-8")
+    code = shipped[shipped.index("import torch"):].strip()
+    assert code in README, "README's AttentionInterface example differs from examples/hf_attention.py"
+
+
+def test_conventions_table_lists_every_convention_with_the_command_that_checks_it(monkeypatch):
+    """Each row's command loads its target and the kit detects the row's convention from it (flags included)."""
+    import importlib.util
+    import shlex
+
+    from attn_spec.targets.conventions import CONVENTIONS, make_target
+    from attn_spec.targets.loading import load_target
+
+    rows = re.findall(r"^\| `([a-z-]+)`(?:, layout `(\w+)`)? \| .* \| `(attn-spec check [^`]+)` \|$", README, flags=re.M)
+    assert {row[0] for row in rows} == set(CONVENTIONS), "one row per convention, each with its command"
+    monkeypatch.chdir(ROOT)
+    for convention, layout, command in rows:
+        argv = shlex.split(command)[2:]
+        if argv[0].startswith("transformers") and importlib.util.find_spec("transformers") is None:
+            continue
+        flags = dict(zip(argv[1::2], argv[2::2]))
+        target = make_target(load_target(argv[0]), argv[0], expect_mask=flags.get("--expect-mask"),
+                             expect_score=flags.get("--expect-score"))
+        assert target.convention == convention, command
+        assert not layout or target.layout == layout, command

@@ -45,15 +45,16 @@ def message(measured: str, *, what: str = "", expected: str = "", budget=None, c
 
 
 def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call: str = "", cause: Cause = "",
-         got=None, expected_tensor=None, labels=None, inputs=None, vacuous: bool = False) -> NoReturn:
+         got=None, expected_tensor=None, labels=None, inputs=None, vacuous: bool = False, mask=None,
+         summary: str = "") -> NoReturn:
     """Raise the Failure: the property does not hold on this case. ``labels``: what the shown tensors are,
     (got, expected); by default the result of ``call`` and the float64 reference. ``inputs``: the tensors
     ``call`` was given, when they are not the case's own (a probe's). ``vacuous``: the property would
-    hold only trivially (the output ignores its inputs)."""
+    hold only trivially (the output ignores its inputs). ``mask``, ``summary``: see Failure."""
     labels = labels or (f"the result of {call}" if call else "the target's result", "the float64 reference")
     raise Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
                   cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
-                  inputs=inputs, vacuous=vacuous)
+                  inputs=inputs, vacuous=vacuous, mask=mask, summary=summary)
 
 
 def _check_budget(budget: float, what: str) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_spec.checking import strategies
-from attn_spec.targets.conventions import CONVENTIONS, MULTIHEAD_CONVENTIONS, Target, make_target
+from attn_spec.targets.conventions import ATTENTION_CONVENTIONS, MULTIHEAD_CONVENTIONS, Target, make_target
 from attn_spec.checking.cases import Case, MhaCase
 
 REGISTRY: dict[str, "Property"] = {}
@@ -86,7 +86,7 @@ class Property:
         return self.fn(target if isinstance(target, Target) else make_target(target), case)
 
 
-def prop(id: str, *, family: str, statement: str, conventions=CONVENTIONS, cases=None,
+def prop(id: str, *, family: str, statement: str, conventions=ATTENTION_CONVENTIONS, cases=None,
          multihead=False, examples=(), after=(), lesson: Lesson | None = None):
     """Register ``fn`` under ``id`` (stable, kebab-case: a public contract)."""
 

@@ -16,7 +16,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from attn_spec.targets.conventions import Target
+from attn_spec.targets.conventions import MOD_CONVENTIONS, Target
 from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
@@ -35,31 +35,37 @@ def _snippet(prop: Property, case, target: Target, seed: int) -> str:
     fields = ", ".join(f"{f.name}={getattr(case, f.name)!r}" for f in dataclasses.fields(case)
                        if getattr(case, f.name) != f.default)
     kind = type(case).__name__
-    declared = tuple(target.masks) != tuple(target.default_masks)  # masks the user declared
-    flag, keyword = (f" --masks {','.join(target.masks)}", f", masks={tuple(target.masks)!r}") if declared else ("", "")
-    return (f"# attn-spec check {target.name} --only {prop.id} --seed {seed}{flag}\n"
+    options = dict(target.options())  # make_target keywords that rebuild it: layout, expect_mask, expect_score
+    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in options.items())
+    if tuple(target.masks) != tuple(target.default_masks):  # masks the user declared
+        flags += f" --masks {','.join(target.masks)}"
+        options["masks"] = tuple(target.masks)
+    keywords = "".join(f", {key}={value!r}" for key, value in options.items())
+    return (f"# attn-spec check {target.name} --only {prop.id} --seed {seed}{flags}\n"
             f"import attn_spec\nfrom attn_spec.cases import {kind}\n"
             f"case = {kind}({fields})\n"
-            f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keyword})")
+            f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keywords})")
 
 
 def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> dict:
     index = worst_index(failure.got, failure.expected)
     labels = list(failure.labels or ("the target's result", "the float64 reference"))
-    ce = {"case": dataclasses.asdict(case), "summary": case.summary(),
+    ce = {"case": dataclasses.asdict(case), "summary": failure.summary or case.summary(),
           "got": tensor_to_data(failure.got), "expected": tensor_to_data(failure.expected),
           "got_text": None if failure.got is None else format_matrix(failure.got, index=index),
           "expected_text": None if failure.expected is None else format_matrix(failure.expected, index=index),
           "labels": labels, "slice": list(index), "nonfinite_both": nonfinite_both(failure.got, failure.expected),
           "seed": seed, "reproduce": _snippet(prop, case, target, seed)}
-    inputs = failure.inputs or _inputs(case)
+    inputs = failure.inputs or ({} if failure.summary else _inputs(case))  # a mod's counterexample has no Q, K, V
     if failure.inputs:
         ce["summary"] = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
     ce["inputs"] = {name: tensor_to_data(t, limit=64) for name, t in inputs.items()}
     ce["inputs_text"] = inputs_text(inputs)
     if isinstance(failure, TargetRaised):
         ce["traceback"] = failure.user_traceback
-    mask = inputs.get("mask") if "weights" in labels[0] and isinstance(failure.got, torch.Tensor) else None
+    mask = failure.mask  # the allowed pattern a property chose to show (a window, a mask_mod)
+    if mask is None:
+        mask = inputs.get("mask") if "weights" in labels[0] and isinstance(failure.got, torch.Tensor) else None
     if mask is not None and mask.dtype == torch.bool and mask.shape[-2:] == failure.got.shape[-2:]:
         with contextlib.suppress(RuntimeError):  # batch dims that do not broadcast: no mask shown
             ce["mask"] = tensor_to_data(mask.expand(failure.got.shape))  # True = may attend, for the heatmaps
@@ -252,6 +258,14 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
     return results
 
 
+def _picture(target) -> dict:
+    """What a mod computes, drawn whatever the verdict (its mask, or the bias it adds); a mod that raises says so."""
+    try:
+        return target.picture()
+    except Failure as failure:
+        return {"title": f"no picture: {failure.message}", "kind": "error", "matrix": None}
+
+
 # Run first: one call per example, and its explicit examples (plain, masked, batched) catch most
 # bugs on the first few calls. The report keeps catalog order either way.
 RUN_FIRST = ("matches-reference",)
@@ -299,10 +313,19 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``."""
-    report = TargetReport(target.name, target.convention, masks=list(target.masks))
-    dtypes, devices = dtypes or list(DTYPES), devices or available_devices()
+    report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
+    dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
+    # A FlexAttention mod gets only its own properties, an attention none of the mods' (the others skip with why).
+    props = [p for p in props if target.convention in p.conventions or
+             (target.is_attention and not set(p.conventions) <= set(MOD_CONVENTIONS))]
     # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
-    probe_errors = _probe_header(report, target, dtypes, devices, seed, verbose)
+    if target.is_attention:
+        probe_errors = _probe_header(report, target, dtypes, devices, seed, verbose)
+    else:  # a FlexAttention mod: no attention to probe; what it computes, drawn
+        probe_errors = []
+        report.output.update(target.output)
+        if hasattr(target, "picture"):
+            report.picture = _picture(target)
     probe_calls = target.calls
     results = {}
     for i, prop in enumerate(sorted(props, key=lambda p: p.id not in RUN_FIRST)):
@@ -318,7 +341,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         if result.found_after_calls is not None:
             result.found_after_calls -= probe_calls
     mark_blocked(report.properties)
-    if diagnose and any(r.status == "fail" for r in report.properties):
+    if diagnose and target.is_attention and any(r.status == "fail" for r in report.properties):
         start = time.perf_counter()
         diagnose_report(target, report, REGISTRY)
         report.diagnosis_seconds = time.perf_counter() - start

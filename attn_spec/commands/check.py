@@ -21,6 +21,10 @@ Examples:
   attn-spec check my_kernel.py:attention --inference-only     # no backward: gradients is a skip
   attn-spec check chatty.py:attention -v                      # all that the target printed and warned
   attn-spec check my.py:attention --masks bool,additive       # it takes additive float masks too
+  attn-spec check transformers.integrations.sdpa_attention:sdpa_attention_forward
+  attn-spec check my_kernels.py:flash_like --layout bshd
+  attn-spec check mymods.py:sliding_window_mask --expect-mask sliding-window:4
+  attn-spec check mymods.py:tanh_softcap --expect-score softcap:50
 
 Every setting can also come from an environment variable (ATTN_SPEC_PROFILE=quick, ...) or the
 [tool.attn-spec] table of pyproject.toml (profile = "quick"); the command line wins, then the

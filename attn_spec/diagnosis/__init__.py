@@ -1,7 +1,8 @@
 """Differential diagnosis: name the bug behind a target's failures by replaying mistake models.
 
 - :mod:`~attn_spec.diagnosis.model`: the ``Mistake`` record, ``@mistake`` and the building blocks;
-- :mod:`~attn_spec.diagnosis.mistakes`, ``mistakes_masks``, ``mistakes_code``, ``mistakes_module``: the catalog;
+- :mod:`~attn_spec.diagnosis.mistakes`, ``mistakes_masks``, ``mistakes_code``, ``mistakes_ecosystem``,
+  ``mistakes_module``: the catalog;
 - :mod:`~attn_spec.diagnosis.record`: the calls a replayed failure made;
 - :mod:`~attn_spec.diagnosis.predict`: what a model does on one call;
 - :mod:`~attn_spec.diagnosis.replay`: which models reproduce the calls of a failure;
@@ -9,8 +10,9 @@
 - :mod:`~attn_spec.diagnosis.numbers`: causes read from a property's numbers.
 """
 # Import order is catalog order: the formula (scale, softmax, positions, shapes, values), masks, the code
-# around it, multi-head plumbing, backward passes and state.
-from attn_spec.diagnosis import mistakes, mistakes_masks, mistakes_code, mistakes_module  # noqa: F401,I001
+# around it, the ecosystem's options and layouts, multi-head plumbing, backward passes and state.
+from attn_spec.diagnosis import mistakes, mistakes_masks, mistakes_code  # noqa: F401,I001
+from attn_spec.diagnosis import mistakes_ecosystem, mistakes_module  # noqa: F401,I001
 from attn_spec.diagnosis.model import MISTAKES, Mistake
 
 __all__ = ["MISTAKES", "Mistake"]

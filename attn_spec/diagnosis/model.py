@@ -50,6 +50,8 @@ class Mistake:
     grouped: bool = False  # receives grouped-query K/V as given (otherwise repeated to the query heads)
     arguments: bool = False  # receives ``is_causal`` itself (otherwise it is folded into the mask)
     stateful: bool = False  # receives ``state``, a dict kept across the calls of one replay
+    options: bool = False  # receives ``window`` and ``softcap`` itself (otherwise the window is folded into the
+    #                        mask and the cap applied by ``scores``, as the correct formula does)
 
     @property
     def code(self) -> str:
@@ -73,7 +75,7 @@ class Mistake:
 
 
 def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "attend", caught_by=(),
-            exact=False, precision=None, params=(), grouped=False, arguments=False, stateful=False):
+            exact=False, precision=None, params=(), grouped=False, arguments=False, stateful=False, options=False):
     """Register ``fn`` as the mistake ``id`` (stable, kebab-case: a public contract, like property ids)."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")  # sanity check
@@ -82,7 +84,8 @@ def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "atte
         if id in MISTAKES:
             raise ValueError(f"mistake id {id!r} is registered twice")  # sanity check
         MISTAKES[id] = Mistake(id, fn, level, sentence, fix, family, tuple(caught_by), exact, precision,
-                               params if isinstance(params, dict) else tuple(params), grouped, arguments, stateful)
+                               params if isinstance(params, dict) else tuple(params), grouped, arguments, stateful,
+                               options)
         return fn
 
     return register
@@ -114,8 +117,23 @@ def scale_of(q, scale=None) -> float:
     return 1 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
+_CAP: contextvars.ContextVar[float | None] = contextvars.ContextVar("cap", default=None)
+
+
+@contextlib.contextmanager
+def capped(cap):
+    """Within: ``scores`` soft-caps them, cap * tanh(s / cap), as a call with ``softcap=cap`` asks."""
+    token = _CAP.set(cap)
+    try:
+        yield
+    finally:
+        _CAP.reset(token)
+
+
 def scores(q, k, scale=None):
-    return q @ k.transpose(-2, -1) * scale_of(q, scale)  # [..., Tq, Tk]
+    s = q @ k.transpose(-2, -1) * scale_of(q, scale)  # [..., Tq, Tk]
+    cap = _CAP.get()
+    return s if cap is None else cap * torch.tanh(s / cap)
 
 
 def masked(s, mask, fill=NEG_INF):

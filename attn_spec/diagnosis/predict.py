@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attn_spec import reference
-from attn_spec.diagnosis.model import F64, Mistake, collecting_free, correct, lift
+from attn_spec.diagnosis.model import F64, Mistake, capped, collecting_free, correct, lift
 from attn_spec.diagnosis.record import Call, snapshot
 from attn_spec.errors import NotDifferentiable
 
@@ -39,8 +39,8 @@ def grouped(q, k) -> bool:
     return q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0
 
 
-def fold_causal(mask, n_q, n_kv):
-    tril = reference.causal_mask(n_q, n_kv)  # [Tq, Tk]
+def fold_causal(mask, n_q, n_kv, window=None):
+    tril = reference.causal_mask(n_q, n_kv, window=window)  # [Tq, Tk]: causal, and within the window if any
     if mask is None:
         return tril
     return tril & mask if mask.dtype == torch.bool else mask.masked_fill(~tril, -math.inf)
@@ -72,13 +72,23 @@ def _attend_inputs(m, call):
     x = _prepared(m, call, ("q", "k", "v", "mask"))
     q, k, v, mask = x["q"], x["k"], x["v"], x["mask"]
     scale, is_causal = call.inputs.get("scale"), call.inputs.get("is_causal", False)
+    window, softcap = call.inputs.get("window"), call.inputs.get("softcap")
+    if window is not None and not m.options:
+        mask = fold_causal(mask, q.shape[-2], k.shape[-2], window)
     if is_causal and not m.arguments:
         mask = fold_causal(mask, q.shape[-2], k.shape[-2])
     if not m.grouped and grouped(q, k):
         g = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
     args = {"is_causal": is_causal} if m.arguments else {}
+    if m.options:
+        args.update(window=window, softcap=softcap)
     return q, k, v, mask, scale, args, x
+
+
+def _cap(m: Mistake, call: Call):
+    """A model that does not take the softcap itself gets it applied to its scores (see model.capped)."""
+    return capped(None if m.options else call.inputs.get("softcap"))
 
 
 def _run(m: Mistake, call: Call, params: dict, state: dict):
@@ -90,7 +100,7 @@ def _run(m: Mistake, call: Call, params: dict, state: dict):
         q, k, v, mask, scale, args, x = _attend_inputs(m, call)
         if level == "backward":
             return correct(q, k, v, mask, scale), x
-        with torch.set_grad_enabled(bool(call.grad_inputs) and m.exact):
+        with torch.set_grad_enabled(bool(call.grad_inputs) and m.exact), _cap(m, call):
             return m.fn(q, k, v, mask, scale, **args, **params), x
     if call.kind == "multihead":
         x = _prepared(m, call, ("x_q", "x_kv", "weights", "mask"))
@@ -108,7 +118,7 @@ def _run(m: Mistake, call: Call, params: dict, state: dict):
     if level == "backward":
         return m.fn(q, k, v, mask, scale, g, **params), x
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    with torch.enable_grad():
+    with torch.enable_grad(), _cap(m, call):
         out = m.fn(*leaves, mask, scale, **args, **params)
         if not isinstance(out, torch.Tensor):
             return None

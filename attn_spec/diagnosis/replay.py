@@ -131,14 +131,17 @@ def _budgets(call: Call, precision: str | None) -> list[float]:
             return [tolerance.multihead_budget(x_q, x_kv, W, x["n_heads"], x["mask"], ref)]
         q, k, v = (_at(x[n], lower) for n in ("q", "k", "v"))
         mask = x.get("mask")
+        if x.get("window") is not None:
+            mask = fold_causal(mask, q.shape[-2], k.shape[-2], x["window"])
         if x.get("is_causal"):
             mask = fold_causal(mask, q.shape[-2], k.shape[-2])
         if grouped(q, k):
             g = q.shape[-3] // k.shape[-3]
             k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-        scale = x.get("scale")
-        ref = reference.attention(q, k, v, mask, scale=scale)[0]
-        out_budget = tolerance.budget(q, k, v, mask, ref, scale=scale)
+        scale, cap = x.get("scale"), x.get("softcap")
+        ref = reference.attention(q, k, v, mask, scale=scale, softcap=cap)[0]
+        out_budget = (tolerance.budget(q, k, v, mask, ref, scale=scale) if cap is None else
+                      tolerance.softcap_budget(q, k, v, mask, ref, cap))
         if call.kind == "attend":
             return [out_budget]
         g_out = _at(x["grad_out"], lower)

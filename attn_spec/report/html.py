@@ -124,10 +124,26 @@ def _failure(p) -> str:
     return "".join(parts)
 
 
+def _picture(picture: dict) -> str:
+    """A mod's mask (masked cells hatched) or bias as a heatmap."""
+    rows = picture.get("matrix")
+    if not rows:
+        return f'<p class="meta">{escape(picture["title"])}</p>'
+    values = [float(x) for row in rows for x in row]
+    finite = [x for x in values if math.isfinite(x)] or [0.0, 1.0]
+    mask = rows if picture["kind"] == "mask" else None
+    table = heatmap([[float(x) for x in row] for row in rows], picture["title"], lo=min(finite + [0.0]),
+                    hi=max(finite + [1e-12]), mask=mask)
+    legend = "dark: may attend; hatched: masked out" if mask else "colour: the bias added to the score"
+    return f'<div class="maps">{table}</div><p class="legend">{legend}</p>'
+
+
 def _target(t) -> str:
     verdict = f'<span class="{"ok" if t.conforms else "bad"}">{escape(t.verdict)}</span>'
     out = [f"<h2>{escape(t.target)} ({escape(t.convention)} convention): {verdict}</h2>"]
     out += [f'<p class="meta">{escape(line)}</p>' for line in header_lines(t)]
+    if t.picture:
+        out.append(_picture(t.picture))
     rows = []
     for p in t.properties:
         if p.status == "not-run":

@@ -44,8 +44,10 @@ class TargetReport:
     diagnosis_seconds: float = 0.0  # the time the diagnosis took (replays and model fits)
     inference_only: bool = False  # declared an inference kernel: a missing backward is a skip
     state_changes: list = field(default_factory=list)  # global state the target changed: {state, change, during}
-    output: dict = field(default_factory=dict)  # phase outside the properties ("import", "header probes") -> output
+    output: dict = field(default_factory=dict)  # phase outside the properties ("import", "layout probe", "header probes") -> output
     masks: list = field(default_factory=list)  # the mask forms the target was called with: bool, additive
+    notes: list = field(default_factory=list)  # how the target is called: a detected layout, the mask HF builds
+    picture: dict | None = None  # a FlexAttention mod's mask or bias: {"title", "kind", "matrix"}
 
     @property
     def checked(self) -> bool:
@@ -85,8 +87,8 @@ class TargetReport:
                 "verdict": self.verdict, "checked": self.checked, "masks": list(self.masks),
                 "calls": self.calls, "behaviours": dict(self.behaviours),
                 "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
-                "capabilities": dict(self.capabilities), "lacks": dict(self.lacks),
-                "diagnoses": [d.to_dict() for d in self.diagnoses],
+                "capabilities": dict(self.capabilities), "lacks": dict(self.lacks), "notes": list(self.notes),
+                "picture": self.picture, "diagnoses": [d.to_dict() for d in self.diagnoses],
                 "inference_only": self.inference_only, "state_changes": list(self.state_changes),
                 "output": dict(self.output), "properties": [p.to_dict() for p in self.properties]}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import TYPE_CHECKING
 
 import torch
@@ -121,8 +122,8 @@ def _short(text: str, limit: int = 100) -> str:
 
 
 def header_lines(t: TargetReport) -> list[str]:
-    """The probed behaviours, and the capabilities the target has and lacks (with why)."""
-    lines = []
+    """How the target is called, the probed behaviours, and the capabilities it has and lacks (with why)."""
+    lines = list(t.notes)
     if t.behaviours:
         lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items()))
     if t.capabilities:
@@ -131,9 +132,10 @@ def header_lines(t: TargetReport) -> list[str]:
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
-    if t.masks:
-        lines.append("masks: " + ", ".join(t.masks) + ("" if "additive" in t.masks else
-                                                        " (additive float masks: declare them with --masks bool,additive)"))
+    if t.masks and t.convention not in ("mask-mod", "score-mod"):  # a mod takes no mask
+        declarable = "additive" not in t.masks and t.convention in ("function", "module", "adapter")
+        lines.append("masks: " + ", ".join(t.masks) +
+                     (" (additive float masks: declare them with --masks bool,additive)" if declarable else ""))
     if t.inference_only:
         lines.append("declared: an inference kernel (inference_only): a missing backward is a skip, not a failure")
     if t.state_changes:
@@ -174,9 +176,10 @@ def output_text(output: dict) -> str:
 def output_lines(t: TargetReport, markdown: bool) -> list[str]:
     """What the target printed, warned and logged (captured, never shown raw). By default each kind's
     count over the whole check and its first occurrence; with ``-v`` (``all`` kept) all of it, per phase."""
-    phases = ([("import", t.output["import"])] if "import" in t.output else []) + \
+    before = ("import", "layout probe", "header probes")  # the phases before the properties, in their order
+    phases = [(phase, t.output[phase]) for phase in before if phase in t.output] + \
         [(p.id, p.output) for p in t.properties if p.output] + \
-        [(phase, output) for phase, output in t.output.items() if phase != "import"]
+        [(phase, output) for phase, output in t.output.items() if phase not in before]
     if not phases:
         return []
     bullet = "- " if markdown else "  "
@@ -194,6 +197,17 @@ def output_lines(t: TargetReport, markdown: bool) -> list[str]:
             lines.append(f"{bullet}{_count(kind, total)} in {_plural(len(where), 'phase')}; "
                          f"first, in {phase}: {_short(first['first'])!r}")
     return lines
+
+
+def picture_text(picture: dict) -> str:
+    """A mod's picture: a mask as █ (attend) and · (masked), a bias as numbers."""
+    rows = picture.get("matrix")
+    if not rows:
+        return picture["title"]
+    if picture["kind"] == "mask":
+        body = ["".join("█" if x else "·" for x in row) for row in rows]
+        return f"{picture['title']} (█ attend, · masked):\n" + "\n".join("  " + line for line in body)
+    return f"{picture['title']}:\n" + textwrap.indent(format_matrix(torch.tensor(rows, dtype=torch.float64)), "  ")
 
 
 def _summary_rows(target: TargetReport):
@@ -318,6 +332,9 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
         out.append(f"\n## {title}\n" if markdown else f"\n{title}")
         for line in header_lines(t):
             out.append(f"{line}\n" if markdown else line)
+        if t.picture:
+            text = picture_text(t.picture)
+            out.append(f"```\n{text}\n```\n" if markdown else text)
         out.append(tabulate(list(_summary_rows(t)), headers=["property", "verdict", "examples", "time"],
                             tablefmt="github" if markdown else "simple"))
         skipped = [p for p in t.properties if p.status == "skip"]

@@ -137,8 +137,8 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
             found[name] = ("unchecked", "not among the dtypes checked (--dtypes)")
         elif name == "gqa" and target.convention not in FUNCTION_CONVENTIONS:
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
-        else:
-            found[name] = _outcome(call, "no" if name == "gqa" else "raises")  # GQA is opt-in: raising = lacking it
+        else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
+            found[name] = _outcome(call, "no" if name == "gqa" and not target.gqa_contract else "raises")
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
     target.supported = _supports(values, reasons)
@@ -159,7 +159,10 @@ def _supports(values: dict, reasons: dict) -> Supports:
 
 
 def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
-    """What ``target`` takes: probed once (on its first use, unless a check probed it already), then kept."""
+    """What ``target`` takes: probed once (on its first use, unless a check probed it already), then kept.
+    A FlexAttention mod is no attention to probe: its own properties draw what they need."""
+    if not getattr(target, "is_attention", True):
+        return Supports()
     if getattr(target, "supported", None) is None:
         probe_capabilities(target, dtypes, device)
     return target.supported

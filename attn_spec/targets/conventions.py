@@ -19,13 +19,19 @@ Conventions:
   ``W_V``, ``W_O`` and ``forward(x_q [Tq, D], x_kv [Tk, D], mask=None)``.
 - ``torch-mha``: ``torch.nn.MultiheadAttention`` (the class, an instance, or a factory).
 - ``adapter``: any other module, through a user-written ``ModuleAdapter`` (module_adapters.py).
+- ``hf`` (hf.py): a Hugging Face attention function, ``fn(module, query, key, value, attention_mask, ...)``.
+- ``flex`` (flex.py): ``torch.nn.attention.flex_attention.flex_attention``, the kit's masks as a ``block_mask``.
+- ``mask-mod``, ``score-mod`` (mask_mods.py): a FlexAttention ``mask_mod`` or ``score_mod`` against a named
+  statement; not attentions, so only their own properties apply.
+``function`` and ``sdpa`` targets may lay out heads and sequence as [B, S, H, D] (layouts.py).
 Masks: every convention takes bool masks (True = may attend). Additive float masks (0 where a
-key may be attended, -inf where not, any finite bias) are part of the ``sdpa`` and ``torch-mha``
-contracts; a ``function``, ``module`` or ``adapter`` target gets them only when its user declares
-them (``masks=("bool", "additive")``, ``--masks bool,additive``). A target declared with
+key may be attended, -inf where not, any finite bias) are part of the ``sdpa``, ``torch-mha`` and
+``flex`` contracts (and of ``hf`` where Hugging Face builds float masks for it); a ``function``,
+``module`` or ``adapter`` target gets them only when its user declares them
+(``masks=("bool", "additive")``, ``--masks bool,additive``). A target declared with
 ``masks=("additive",)`` gets each bool mask as the equivalent 0 / -inf float mask.
 
-The last three are multi-head modules: ``attend`` embeds plain attention in them with one head,
+``module``, ``torch-mha`` and ``adapter`` are multi-head modules: ``attend`` embeds plain attention in them with one head,
 identity projections and Q scaled by 2^m where D = 4^m * Dk, so that the module's own
 1/sqrt(D) becomes exactly 1/sqrt(Dk) with no rounding.
 """
@@ -39,14 +45,18 @@ import torch.nn.functional as F
 
 from attn_spec.checking.assertions import fail, message
 from attn_spec.errors import KitUsageError, NotDifferentiable, TargetLoadError, TargetRaised, Unsupported
+from attn_spec.targets import layouts
 from attn_spec.targets.capture import capture
 from attn_spec.targets.detached import how_detached
 from attn_spec.targets.guard import StateGuard, passes_through
+from attn_spec.targets.layouts import _grouped, attend_shape, broadcast_shapes  # noqa: F401 - imported from here too
 from attn_spec.targets.loading import load_target, raised_on_purpose, spec_of, user_traceback
 from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
 
-CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter")
-FUNCTION_CONVENTIONS = ("function", "sdpa")  # attention on Q, K, V directly
+CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod")
+ATTENTION_CONVENTIONS = CONVENTIONS[:7]  # targets that compute attention: the catalog's default
+MOD_CONVENTIONS = ("mask-mod", "score-mod")  # FlexAttention mods, checked against a named statement
+FUNCTION_CONVENTIONS = ("function", "sdpa", "hf", "flex")  # attention on Q, K, V directly
 MULTIHEAD_CONVENTIONS = ("module", "torch-mha", "adapter")  # modules with projections
 PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
 MASK_FORMS = ("bool", "additive")  # what a target may be called with as its mask
@@ -106,6 +116,17 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     return out
 
 
+OPTIONS = {"window": "sliding window", "softcap": "softcap"}  # attend()'s options, in words
+LIBRARY_TARGETS: dict[str, type] = {}  # convention -> Target class of hf.py, flex.py, mask_mods.py, in detection order
+
+
+def library_convention(cls):
+    """Register a Target class kept in a module of its own (imported by the attn_spec.targets package); its
+    ``detects(obj, names)`` tells detect_convention whether a callable follows it."""
+    LIBRARY_TARGETS[cls.convention] = cls
+    return cls
+
+
 class Target:
     """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it;
     ``masks`` the mask forms it may be called with (MASK_FORMS).
@@ -117,6 +138,9 @@ class Target:
 
     convention = "?"
     default_masks = ("bool",)
+    is_attention = True  # False for FlexAttention's mods: only their own properties apply
+    default_dtypes = None  # the dtypes checked unless the user names some (None: all)
+    gqa_contract = ""  # where grouped K/V heads are part of the convention, what tells the target: then raising fails
 
     def __init__(self, obj, name: str, masks=None, *, inference_only: bool = False):
         self.obj, self.name, self.calls, self.inference_only = obj, name, 0, inference_only
@@ -136,11 +160,33 @@ class Target:
             return thunk()
         return self.recorder.observe(kind, inputs, thunk, label=label, state_key=state_key)
 
-    def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False) -> torch.Tensor:
-        """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported)."""
+    def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False, window=None, softcap=None) -> torch.Tensor:
+        """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported); so do
+        ``window`` (w keys: query i sees keys i - w < j <= i) and ``softcap`` (cap * tanh(scores / cap))."""
         mask = self._mask_for_call(mask, q.dtype)
+        options = {key: value for key, value in (("window", window), ("softcap", softcap)) if value is not None}
+        for key in options:
+            why = self.lacks_option(key)
+            if why:
+                raise Unsupported(why, total=True)
         with torch.no_grad():
-            return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal)
+            return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal, **options)
+
+    def lacks_option(self, key: str) -> str | None:
+        """Why this target cannot take attend()'s option ``key`` ("window", "softcap"); None if it can."""
+        return f"the {self.convention} convention takes no {OPTIONS[key]} argument"
+
+    def notes(self) -> list[str]:
+        """How the target is called, for the report's header (a detected layout, the mask HF builds for it)."""
+        return []
+
+    def options(self) -> dict:
+        """The make_target keywords that rebuild this target (a reproduction snippet passes them on)."""
+        return {}
+
+    def mistakes(self, q, k, v, mask):
+        """(description, float64 output) of misreadings specific to this convention, for diagnoses."""
+        return []
 
     def _mask_for_call(self, mask, dtype):
         """The mask in a form the target was promised: a float mask only where declared."""
@@ -172,8 +218,8 @@ class Target:
         ``torch.autograd.grad``: reentrant checkpointing (``torch.utils.checkpoint(...,
         use_reentrant=True)``) raises inside ``autograd.grad`` and supports only ``.backward()``
         without ``inputs``. An output that is not differentiable at all raises NotDifferentiable
-        (function, module and adapter targets: they are trained) or Unsupported (inference-only
-        targets, and the library conventions sdpa and torch-mha).
+        (function, module, adapter and hf targets: they are trained) or Unsupported (inference-only
+        targets, and the library conventions sdpa, torch-mha and flex).
         """
         return self._observe("vjp", {"q": q, "k": k, "v": v, "mask": mask, "grad_out": grad_out},
                              lambda: self._vjp(q, k, v, mask, grad_out), label="backward of <out, G>")
@@ -201,7 +247,7 @@ class Target:
         if self.inference_only:
             raise Unsupported(f"declared an inference kernel (inference_only): the output is not differentiable "
                               f"in Q, K, V; {how}", total=True)
-        if self.convention in ("sdpa", "torch-mha"):
+        if self.convention in ("sdpa", "torch-mha", "flex"):
             raise Unsupported(f"no autograd: the output is not differentiable in Q, K, V; {how}", total=True)
         raise NotDifferentiable(message(f"not differentiable in Q, K, V; {how}", what="no autograd: the output",
                                         call=self._describe_call(mask)),
@@ -210,30 +256,6 @@ class Target:
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None) -> torch.Tensor:
         raise Unsupported(f"the {self.convention} convention has no multi-head projections to compare", total=True)
-
-
-def _grouped(q, k) -> bool:
-    """Grouped-query attention: K/V have Hkv heads on dim -3 and Q has g * Hkv (g > 1)."""
-    return q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0
-
-
-def broadcast_shapes(*shapes) -> tuple:
-    """torch.broadcast_shapes without its first-call cost (it imports sympy: 0.8 s, a third of a quick check)."""
-    rank = max(map(len, shapes))
-    out = []
-    for dims in zip(*[(1,) * (rank - len(s)) + tuple(s) for s in shapes]):
-        sizes = set(dims) - {1}
-        if len(sizes) > 1:
-            raise RuntimeError(f"shapes {[list(s) for s in shapes]} do not broadcast")
-        out.append(sizes.pop() if sizes else 1)
-    return tuple(out)
-
-
-def attend_shape(q, k, v):
-    """[..., Tq, Dv]: leading dims broadcast; grouped K/V heads count as Q's heads."""
-    kv = [t.shape[:-3] + q.shape[-3:-2] if _grouped(q, t) else t.shape[:-2] for t in (k, v)]
-    batch = broadcast_shapes(q.shape[:-2], *kv)
-    return tuple(batch) + (q.shape[-2], v.shape[-1])
 
 
 def parameter_names(fn) -> list[str] | None:
@@ -258,13 +280,54 @@ def positional_capacity(fn) -> float:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-class FunctionTarget(Target):
+class LayoutTarget(Target):
+    """A function-style target whose tensors are laid out ``bhsd`` (the default) or ``bshd`` (layouts.py)."""
+
+    def __init__(self, obj, name, masks=None, layout=None, **kwargs):
+        super().__init__(obj, name, masks, **kwargs)
+        if layout is not None and layout not in layouts.LAYOUTS:
+            raise KitUsageError(f"layout={layout!r}, but it must be one of {', '.join(layouts.LAYOUTS)}")
+        self.layout, self.layout_why = (layout, "given") if layout else ("bhsd", "the default")
+
+    def detect_layout(self) -> None:
+        """Probe the layout (make_target does, for a user's target; two tiny calls that are not counted)."""
+        self.layout, self.layout_why = layouts.detect(self._probe_call, parameter_names(self.obj))
+
+    def _run(self, fn, q, k, v, mask, call, **arguments):
+        """``fn(q, k, v, mask)`` (the user's code) in the target's layout. The call is observed (kept by the
+        diagnosis' recorder) with ``arguments`` (scale, is_causal, window, softcap) and, in bhsd, the kit's own
+        tensors; in bshd, the [B, H, S, D] tensors whose transposes the kernel gets, and its output read back
+        as [B, H, S_q, D_v] (a mistake model's frame: heads on dim -3, whatever the kernel returned)."""
+        extra = {key: a for key, a in arguments.items() if a is not None}
+        if self.layout == "bhsd":
+            inputs = {"q": q, "k": k, "v": v, "mask": mask, **extra}
+            return check_output(self._observe("attend", inputs, lambda: fn(q, k, v, mask), call), attend_shape(q, k, v),
+                                call)
+        h = layouts.Heads(q, k, v, mask)
+        inputs = {"q": h.q, "k": h.k, "v": h.v, "mask": h.mask, **extra}
+        return layouts.restore_bshd(self._observe("attend", inputs, lambda: layouts.call_bshd(fn, h), call), h, call)
+
+    def _probe_call(self, q, k, v):
+        return _call(self.obj, (q, k, v), "attention(Q, K, V) (a layout probe)", self.state)
+
+    def notes(self):
+        return [f"layout: {self.layout} ({self.layout_why})"]
+
+    def options(self):
+        return {"layout": self.layout} if self.layout_why == "given" else {}
+
+    def mistakes(self, q, k, v, mask):
+        found = layouts.transposed_reading(q, k, v, mask) if self.layout == "bshd" else None
+        return [found] if found else []
+
+
+class FunctionTarget(LayoutTarget):
     """``attention(Q, K, V, mask=None) -> out``."""
 
     convention = "function"
 
-    def __init__(self, obj, name, masks=None, **kwargs):
-        super().__init__(obj, name, masks, **kwargs)
+    def __init__(self, obj, name, masks=None, layout=None, **kwargs):
+        super().__init__(obj, name, masks, layout, **kwargs)
         self.takes_mask = positional_capacity(obj) >= 4
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
@@ -273,38 +336,61 @@ class FunctionTarget(Target):
             raise Unsupported("the function takes no mask argument", total=True)
         self.calls += 1
         call = "attention(Q, K, V, mask)" if mask is not None else "attention(Q, K, V)"
-        args = (q, k, v) if mask is None else (q, k, v, mask)
-        out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask},
-                            lambda: _call(self.obj, args, call, self.state), call)
-        return check_output(out, attend_shape(q, k, v), call)
+
+        def fn(*args):
+            return _call(self.obj, args if args[3] is not None else args[:3], call, self.state)
+        return self._run(fn, q, k, v, mask, call)
 
 
-class SdpaTarget(Target):
-    """``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)``."""
+# Each argument an sdpa-style target may take, by the names libraries give it (SDPA's first, then flash-attn's).
+SDPA_NAMES = {"attn_mask": ("attn_mask",), "is_causal": ("is_causal", "causal"), "scale": ("scale", "softmax_scale"),
+              "window": ("sliding_window", "window_size"), "softcap": ("softcap",)}
+
+
+class SdpaTarget(LayoutTarget):
+    """``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)``, or flash-attn's
+    ``fn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0)``."""
 
     convention = "sdpa"
     default_masks = MASK_FORMS  # attn_mask is bool or additive float in SDPA's contract
 
-    def __init__(self, obj, name, masks=None, **kwargs):
-        super().__init__(obj, name, masks, **kwargs)
+    def __init__(self, obj, name, masks=None, layout=None, **kwargs):
         self.accepts = set(parameter_names(obj) or ())
+        self.names = {role: next((n for n in names if n in self.accepts), None) for role, names in SDPA_NAMES.items()}
+        super().__init__(obj, name, masks, layout, **kwargs)
 
-    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
+    def _probe_call(self, q, k, v):
+        extra = {"dropout_p": 0.0} if "dropout_p" in self.accepts else {}
+        return _call(lambda *a: self.obj(*a, **extra), (q, k, v), f"{self.name}(q, k, v) (a layout probe)", self.state)
+
+    def lacks_option(self, key):
+        return None if self.names[key] else f"{self.name} takes no {' or '.join(SDPA_NAMES[key])} argument"
+
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False, window=None, softcap=None):
+        is_causal = is_causal or window is not None  # a window of w keys is causal
         kwargs = {}
         for key, value, default in (("attn_mask", mask, None), ("is_causal", is_causal, False), ("scale", scale, None)):
             if value is not default and value is not False:
-                if key not in self.accepts:
+                if not self.names[key]:
                     raise Unsupported(f"{self.name} takes no {key} argument", total=True)
-                kwargs[key] = value
+                kwargs[self.names[key]] = value
+        if window is not None:  # HF's sliding_window=w, or flash-attn's window_size=(w - 1, 0)
+            kwargs[self.names["window"]] = window if self.names["window"] == "sliding_window" else (window - 1, 0)
+        if softcap is not None:
+            kwargs["softcap"] = softcap
         if "dropout_p" in self.accepts:
             kwargs["dropout_p"] = 0.0
         if "enable_gqa" in self.accepts and _grouped(q, k):
             kwargs["enable_gqa"] = True
         self.calls += 1
+        mask_name = self.names["attn_mask"]
         call = f"{self.name}(q, k, v{''.join(f', {key}=...' for key in kwargs)})"
-        out = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask, "scale": scale, "is_causal": is_causal},
-                            lambda: _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call, self.state), call)
-        return check_output(out, attend_shape(q, k, v), call)
+
+        def fn(q, k, v, mask):
+            if mask is not None:
+                kwargs[mask_name] = mask
+            return _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call, self.state)
+        return self._run(fn, q, k, v, mask, call, scale=scale, is_causal=is_causal, window=window, softcap=softcap)
 
 
 class ModuleTarget(Target):
@@ -438,7 +524,10 @@ def detect_convention(obj) -> str:
     if obj is F.scaled_dot_product_attention:
         return "sdpa"
     names = parameter_names(obj)
-    if names is not None and "attn_mask" in names:
+    for convention, cls in LIBRARY_TARGETS.items():
+        if cls.detects(obj, names):
+            return convention
+    if names is not None and set(names) & {"attn_mask", "is_causal", "causal", "softmax_scale", "dropout_p"}:
         return "sdpa"
     if positional_capacity(obj) >= 3 and (names is None or len(names) <= 4 or "mask" in names):
         return "function"
@@ -447,23 +536,37 @@ def detect_convention(obj) -> str:
         f"Pick one with --convention (convention= in Python): function = attention(Q, K, V, mask=None); "
         f"sdpa = fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None); "
         f"module = Cls(d_model, n_heads) with W_Q, W_K, W_V, W_O; torch-mha = nn.MultiheadAttention or "
-        f"a factory (d_model, n_heads) -> nn.MultiheadAttention; adapter = a ModuleAdapter subclass.")
+        f"a factory (d_model, n_heads) -> nn.MultiheadAttention; adapter = a ModuleAdapter subclass; "
+        f"hf = fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs); "
+        f"flex = flex_attention(query, key, value, score_mod=None, block_mask=None, ...); "
+        f"mask-mod = mask_mod(b, h, q_idx, kv_idx); score-mod = score_mod(score, b, h, q_idx, kv_idx).")
 
 
 def make_target(obj, name: str | None = None, convention: str | None = None, masks=None, *,
-                inference_only: bool = False, state: StateGuard | None = None) -> Target:
+                inference_only: bool = False, state: StateGuard | None = None, layout: str | None = None,
+                expect_mask: str | None = None, expect_score: str | None = None, verbose: bool = False) -> Target:
     """The adapter for ``obj``. ``masks``: the mask forms it takes (default: its convention's, see
     MASK_FORMS); ``inference_only``: see :class:`Target`; ``state``: a guard that already holds what
-    importing ``obj`` changed. An adapter class that raises when instantiated is a TargetLoadError."""
+    importing ``obj`` changed. ``layout`` (bhsd, bshd) applies to function and sdpa targets (probed
+    when not given: what the probe calls print is kept as ``target.output["layout probe"]``, all of it with
+    ``verbose``); ``expect_mask`` and ``expect_score`` name the statement a mask-mod or score-mod target is
+    checked against. An adapter class that raises when instantiated is a TargetLoadError."""
     name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
-    convention = convention or detect_convention(obj)
+    convention = convention or ("mask-mod" if expect_mask else "score-mod" if expect_score else None) \
+        or detect_convention(obj)
     if convention not in CONVENTIONS:
         raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
+    for given, flag, applies in ((layout, "--layout", ("function", "sdpa")), (expect_mask, "--expect-mask", ("mask-mod",)),
+                                 (expect_score, "--expect-score", ("score-mod",))):
+        if given is not None and convention not in applies:
+            raise KitUsageError(f"{flag} applies to the {' and '.join(applies)} convention"
+                                f"{'s' if len(applies) > 1 else ''}, but {name} follows the {convention} convention")
     kwargs = {"inference_only": inference_only}
-    if convention == "function":
-        target = FunctionTarget(obj, name, masks, **kwargs)
-    elif convention == "sdpa":
-        target = SdpaTarget(obj, name, masks, **kwargs)
+    if convention in ("function", "sdpa"):
+        target = (FunctionTarget if convention == "function" else SdpaTarget)(obj, name, masks, layout, **kwargs)
+    elif convention in LIBRARY_TARGETS:
+        options = {key: value for key, value in (("expect_mask", expect_mask), ("expect_score", expect_score)) if value}
+        target = LIBRARY_TARGETS[convention](obj, name, masks=masks, **options, **kwargs)
     elif convention == "module":
         target = ModuleTarget(SeedAdapter(obj), name, masks=masks, **kwargs)
     elif convention == "torch-mha":
@@ -473,6 +576,11 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
     else:
         target = ModuleTarget(_instance(obj, name, state or StateGuard()), name, "adapter", masks, **kwargs)
     target.state = state or target.state
+    if convention in ("function", "sdpa") and layout is None:
+        with capture() as output:
+            target.detect_layout()  # two tiny calls, under the target's guard
+        if output.summary():
+            target.output["layout probe"] = output.summary(verbose)
     return target
 
 
@@ -487,15 +595,17 @@ def _instance(adapter, name: str, state: StateGuard):
 
 
 def load(spec: str, convention: str | None = None, *, name: str | None = None, root: str | None = None,
-         masks=None, inference_only: bool = False, verbose: bool = False) -> Target:
+         masks=None, inference_only: bool = False, verbose: bool = False, **options) -> Target:
     """Import the TARGET ``spec`` (``root``: see load_target) and wrap it (``masks``: see make_target). What
     the import printed is kept (``target.output["import"]``); the global state it changed is restored and
-    noted. Raises TargetLoadError (or KitUsageError: no convention fits)."""
+    noted. ``options``: the other keywords of make_target (layout, expect_mask, expect_score). Raises
+    TargetLoadError (or KitUsageError: no convention fits)."""
     state = StateGuard()
     with capture() as output:
         with state.call(f"importing {spec}"):
             obj = load_target(spec, root=root)
-        target = make_target(obj, name or spec, convention, masks, inference_only=inference_only, state=state)
+        target = make_target(obj, name or spec, convention, masks, inference_only=inference_only, state=state,
+                             verbose=verbose, **options)
     if output.summary():
         target.output["import"] = output.summary(verbose)
     return target

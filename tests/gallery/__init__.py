@@ -19,7 +19,7 @@ Each module of this package registers its entries with ``@correct``, ``@buggy`` 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class Entry:
     bug: str = ""  # what is wrong, in one line
     mistake: str = ""  # the mistake model the diagnosis must name (attn_spec.diagnosis)
     masks: tuple[str, ...] | None = None  # the mask forms it is checked with (None: its convention's)
+    options: dict = field(default_factory=dict)  # make_target keywords: layout, expect_mask, expect_score
+    diagnosis: str = ""  # a mod's entry (no calls to replay, no mistake model): words its causes must contain
 
     def __str__(self) -> str:  # readable pytest ids
         return self.name
@@ -42,16 +44,17 @@ TRIVIAL: list[Entry] = []
 LIBRARY: list[Entry] = []
 
 
-def correct(convention: str = "function", name: str | None = None):
+def correct(convention: str = "function", name: str | None = None, **options):
     def register(obj):
-        CORRECT.append(Entry(name or obj.__name__, obj, convention))
+        CORRECT.append(Entry(name or obj.__name__, obj, convention, options=options))
         return obj
     return register
 
 
-def buggy(*catches: str, bug: str, mistake: str = "", convention: str = "function", masks=None):
+def buggy(*catches: str, bug: str, mistake: str = "", convention: str = "function", masks=None, diagnosis: str = "",
+          **options):
     def register(obj):
-        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug, mistake, masks))
+        BUGGY.append(Entry(obj.__name__, obj, convention, tuple(catches), bug, mistake, masks, options, diagnosis))
         return obj
     return register
 
@@ -73,4 +76,4 @@ def library(convention: str = "function", name: str | None = None):
     return register
 
 
-from gallery import core, libraries, masking, robustness, trivial_targets  # noqa: E402,F401  - registers the entries
+from gallery import core, ecosystem, libraries, masking, robustness, trivial_targets  # noqa: E402,F401  - registers the entries
