@@ -13,6 +13,8 @@ from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import Property
 from attn_spec.checking.runner import check_target
+from attn_spec.checking.shapes import Rung, rungs
+from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import Failure, KitUsageError, TargetLoadError, Uninformative
 from attn_spec.properties import select
 from attn_spec.report import Report
@@ -34,6 +36,7 @@ class Plan:
     dtypes: list[str]
     devices: list[str]
     expectations: Expectations | None
+    rungs: list[Rung] | None = None  # fixed shapes (--shapes, the scale profile), else drawn cases
 
 
 def plan(settings: attn_settings.Settings) -> Plan:
@@ -48,6 +51,14 @@ def plan(settings: attn_settings.Settings) -> Plan:
     devices = [d for d in settings["devices"] if d != "all"] or available
     if any(d not in available for d in devices):
         raise settings.error("devices", f"this machine has only {', '.join(available)}")
+    dtypes, steps = settings["dtypes"] or list(DTYPES), None
+    if settings["shapes"] or get_profile(settings["profile"]).ladder:  # on the accelerator, in its dtypes
+        try:
+            steps = rungs(settings["shapes"] or None, dtypes=settings["dtypes"] or None,
+                          devices=devices if settings["devices"] else None)
+        except KitUsageError as exc:  # H not a multiple of HKV: beyond what the setting's own check reads
+            raise settings.error("shapes", str(exc)) from None
+        devices, dtypes = list(dict.fromkeys(r.device for r in steps)), list(dict.fromkeys(r.dtype for r in steps))
     expectations = None
     if settings["expect"]:
         try:
@@ -55,8 +66,7 @@ def plan(settings: attn_settings.Settings) -> Plan:
         except OSError as exc:
             raise settings.error("expect", f"cannot read {settings['expect']}: {exc.strerror}") from None
     seed = random.randrange(2**32) if settings["seed"] is None else settings["seed"]
-    return Plan(settings, select(settings["only"], settings["skip"]), seed, settings["dtypes"] or list(DTYPES),
-                devices, expectations)
+    return Plan(settings, select(settings["only"], settings["skip"]), seed, dtypes, devices, expectations, steps)
 
 
 def target_options(settings: attn_settings.Settings) -> dict:
@@ -84,8 +94,9 @@ def load_targets(settings: attn_settings.Settings, name: str | None = None, *, n
 
 
 def dtypes_for(target: Target, plan: Plan) -> list[str]:
-    """The dtypes named in the settings, else the target convention's own (hf: no float64), else all."""
-    return plan.dtypes if plan.settings["dtypes"] else list(target.default_dtypes or plan.dtypes)
+    """The dtypes named in the settings or fixed by the shapes' rungs, else the target convention's own (hf: no
+    float64), else all."""
+    return plan.dtypes if plan.settings["dtypes"] or plan.rungs else list(target.default_dtypes or plan.dtypes)
 
 
 def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True,
@@ -102,23 +113,27 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
         reports.append(check_target(target, plan.properties, profile=s["profile"], seed=plan.seed,
                                     dtypes=dtypes_for(target, plan), devices=plan.devices, progress=progress,
                                     require=s["require"], exitfirst=exitfirst, expected=expected, diagnose=diagnose,
-                                    verbose=verbose))
+                                    verbose=verbose, rungs=plan.rungs))
+    shapes = list(dict.fromkeys(str(r.shape) for r in plan.rungs or ()))
     report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes,
-                    not_loaded=list(not_loaded))
+                    not_loaded=list(not_loaded), shapes=shapes)
     if plan.expectations:
         plan.expectations.apply(report)
     return report
 
 
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
-          devices=None, require=None, expect=None, inference_only=None, progress=None, exitfirst=False,
-          verbose=False, config=False, diagnose=True, masks=None, layout=None, expect_mask=None,
+          devices=None, require=None, expect=None, inference_only=None, shapes=None, progress=None,
+          exitfirst=False, verbose=False, config=False, diagnose=True, masks=None, layout=None, expect_mask=None,
           expect_score=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     ``masks``: the mask forms the targets take, ``("bool",)`` or ``("bool", "additive")`` (default:
     each convention's own; additive float masks are part of the sdpa, torch-mha and flex conventions,
     and of hf where Hugging Face builds float masks).
+    ``shapes``: check at these fixed shapes instead of drawn ones, e.g. ``["1,8,4096,128",
+    "1,32,8,1,32768,128"]`` (B,H,N,D or B,H,HKV,NQ,NKV,D), on the accelerator if there is one (or
+    ``devices``), in what kernels run there (or ``dtypes``); the ``scale`` profile is a ladder of them.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
     >>> report.conforms, print(report)
@@ -137,8 +152,8 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     """
     given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
                             dtypes=dtypes, devices=devices, require=require, expect=expect,
-                            inference_only=inference_only, masks=masks, layout=layout, expect_mask=expect_mask,
-                            expect_score=expect_score)
+                            inference_only=inference_only, shapes=shapes, masks=masks, layout=layout,
+                            expect_mask=expect_mask, expect_score=expect_score)
     if not config:
         settings = attn_settings.resolve([given])
     else:

@@ -116,7 +116,8 @@ class AttnSpecSession:
 
         c = self.checker
         lines = [f"attn-spec {__version__}: profile {c.profile}, --attn-seed={self.seed}, "
-                 f"torch {torch.__version__}, devices {', '.join(c.plan.devices)}"]
+                 f"torch {torch.__version__}, devices {', '.join(c.plan.devices)}"
+                 + (f", shapes {' '.join(self.settings['shapes'])}" if self.settings["shapes"] else "")]
         by_source: dict[str, list[str]] = {}  # settings not on the command line, where the user may not look
         for name, source in self.settings.sources.items():
             if source != "default" and not source.startswith("the command line"):
@@ -181,6 +182,7 @@ class Checker:
         extra += [f"--attn-devices={','.join(self.plan.devices)}"] if self.settings["devices"] else []
         extra += ["--attn-inference-only"] if self.settings["inference-only"] else []
         extra += [f"--attn-masks={','.join(self.settings['masks'])}"] if self.settings["masks"] else []
+        extra += [f"--attn-shapes='{' '.join(self.settings['shapes'])}'"] if self.settings["shapes"] else []
         return " ".join(["pytest", f"--attn-target={spec}", f"--attn-only={property_id}",
                          f"--attn-profile={self.profile}", f"--attn-seed={self.plan.seed}", *extra])
 
@@ -244,7 +246,7 @@ class PropertyItem(_AttnItem):
         c = self.checker
         target = c.targets[self.key]
         result = run_property(self.prop, target, profile=c.profile, seed=c.plan.seed, dtypes=dtypes_for(target, c.plan),
-                              devices=c.plan.devices, verbose=True)
+                              devices=c.plan.devices, verbose=True, rungs=c.plan.rungs)
         for kind, found in (result.output or {}).items():  # shown as pytest shows a test's captured output
             text = found["all"] if isinstance(found["all"], str) else "\n".join(
                 item["text"] + (f" (x{item['count']})" if item["count"] > 1 else "") for item in found["all"])

@@ -28,7 +28,7 @@ from attn_spec.errors import KitUsageError
 TABLE = "[tool.attn-spec]"
 PRECEDENCE = "command line > environment > pyproject.toml > defaults"
 CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod")
-PROFILES = ("quick", "default", "thorough")
+PROFILES = ("quick", "default", "thorough", "scale")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
                 "float64", "float16", "bfloat16")
@@ -89,15 +89,16 @@ _SETTINGS = (
             kind="list", metavar="TARGET", positional=True, plugin_flag="--attn-target", paths="targets", unset="none"),
     Setting("convention", f"force the targets' calling convention: {', '.join(CONVENTIONS)} (default: detected)",
             choices=CONVENTIONS, metavar="NAME", unset="detected"),
-    Setting("profile", f"how hard to look: {', '.join(PROFILES)} (default: default)", choices=PROFILES,
+    Setting("profile", f"how hard to look: {', '.join(PROFILES)} (default: default; scale: a fixed ladder of "
+            f"long shapes)", choices=PROFILES,
             default="default", metavar="NAME"),
     Setting("seed", "seed for a reproducible run (default: random, printed in the report)", kind="int", metavar="N", unset="random"),
     Setting("only", "run only these property ids (attn-spec list)", kind="list", metavar="ID", unset="all"),
     Setting("skip", "skip these property ids", kind="list", metavar="ID"),
     Setting("dtypes", f"check only these dtypes: {', '.join(DTYPES)} (default: all)", kind="list",
             choices=DTYPES, metavar="DTYPE", unset="all"),
-    Setting("devices", "check on these devices: cpu, cuda, mps, or all available ones (default: all); with "
-            "several, outputs must also agree across devices", kind="list", choices=("cpu", "cuda", "mps", "all"),
+    Setting("devices", "check on these devices: cpu, cuda, mps, or all available ones (default: all; at fixed "
+            "shapes, the accelerator if there is one); with several, outputs must also agree across devices", kind="list", choices=("cpu", "cuda", "mps", "all"),
             metavar="DEVICE", flags=("--device", "--devices"), unset="all available"),
     Setting("require", f"fail unless the target has this capability ({', '.join(CAPABILITIES)}) or behaviour "
             f"(KEY=VALUE as in the report header; keys: {', '.join(BEHAVIOURS)})", kind="list",
@@ -118,8 +119,10 @@ _SETTINGS = (
             "prefix-lm:P or document:IDS, joined with + (implies the mask-mod convention)", metavar="STATEMENT"),
     Setting("expect-score", "what a FlexAttention score_mod(score, b, h, q_idx, kv_idx) computes: alibi, softcap:C "
             "or relative-bias (implies the score-mod convention)", metavar="STATEMENT"),
-    Setting("shapes", "check at these shapes: B,H,N,D or B,H,HKV,NQ,NKV,D", kind="list", split=r"\s+",
-            item=_shape, metavar="SHAPE", pending="issue 16"),
+    Setting("shapes", "check at these fixed shapes instead of drawn ones: B,H,N,D or B,H,HKV,NQ,NKV,D "
+            "(grouped-query or cross attention), on the accelerator if there is one, in the dtypes asked (default: "
+            "float32 on the CPU, bfloat16 and float16 on a GPU), with every property that applies at that size",
+            kind="list", split=r"\s+", item=_shape, metavar="SHAPE", unset="drawn"),
 )
 SETTINGS: dict[str, Setting] = {s.name: s for s in _SETTINGS}
 

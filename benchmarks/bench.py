@@ -15,7 +15,11 @@ Sections (each figure is measured in this run, on this machine):
   name the entry's own mistake, and the time the diagnosis adds to a failing check and to a passing one;
 - grade: ``attn-spec grade`` on classes of 30 correct and 30 mixed submissions (tests/submissions)
   with --jobs 1 and 2, and the steady-state cost of a correct submission against its evaluation
-  time (the same properties checked in-process).
+  time (the same properties checked in-process);
+- spread: the default-profile check of the seed attention over 20 seeds (p50, p90, worst);
+- selftest: README's test command (``python -m pytest``), wall and CPU time;
+- ladder: a check of SDPA at each rung of the scale ladder (``bench_scale.py``: time, peak memory,
+  the kit's share of both, the largest length that fits); ``--ladder-lengths`` picks rungs.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 
 from tabulate import tabulate
+
+from bench_scale import SDPA, ladder_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_TARGET = f"{ROOT / 'examples' / 'seed_attention.py'}:attention"
@@ -72,6 +78,23 @@ def bench_check(rows, repeat: int, torch_s: float) -> None:
         rows.append([f"check seed attention, {profile}", f"{wall:.2f} s, {mb} MB peak",
                      f"{wall / torch_s:.2f}x import torch", f"<= {limit}x" if limit else "",
                      _met(wall / torch_s <= limit) if limit else ""])
+
+
+def bench_spread(rows, torch_s: float, seeds: int) -> None:
+    """The default profile's time over many seeds: each seed draws other cases, some larger."""
+    walls = sorted(run([sys.executable, "-m", "attn_spec", "check", SEED_TARGET, "--seed", str(s)])[0]
+                   for s in range(seeds))
+    p50, p90 = statistics.median(walls), walls[max(0, round(0.9 * seeds) - 1)]
+    rows.append([f"check seed attention, default, {seeds} seeds", f"p90 {p90:.2f} s ({p90 / torch_s:.2f}x)",
+                 f"p50 {p50:.2f} s ({p50 / torch_s:.2f}x), worst {walls[-1]:.2f} s ({walls[-1] / torch_s:.2f}x) "
+                 f"import torch", "p90 <= 2.5x", _met(p90 / torch_s <= 2.5)])
+
+
+def bench_selftest(rows) -> None:
+    """README's test command, as CI runs it."""
+    wall, cpu, mb = run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly"])
+    rows.append(["self-test (python -m pytest)", f"{wall:.0f} s", f"{cpu:.0f} s of CPU on {os.cpu_count()} cores, "
+                 f"{mb} MB peak (largest process)", "< 180 s", _met(wall < 180)])
 
 
 # ------------------------------------------------------------------------------ overhead
@@ -275,8 +298,11 @@ def _met(ok: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="runs per check figure (median; default 3)")
-    parser.add_argument("--only", nargs="+", choices=("check", "overhead", "bugs", "diagnosis", "grade"),
-                        default=["check", "overhead", "bugs", "diagnosis", "grade"])
+    sections = ("check", "spread", "overhead", "bugs", "diagnosis", "grade", "selftest", "ladder")
+    parser.add_argument("--only", nargs="+", choices=sections, default=list(sections))
+    parser.add_argument("--seeds", type=int, default=20, help="seeds of the spread section (default 20)")
+    parser.add_argument("--ladder-lengths", type=int, nargs="*", default=[],
+                        help="rungs of the ladder section (default: every CPU rung, 1024, 4096, 16384)")
     parser.add_argument("--n", type=int, default=30, help="submissions per graded class (default 30)")
     parser.add_argument("--markdown", action="store_true", help="a GitHub table, for the README")
     args = parser.parse_args()
@@ -286,7 +312,9 @@ def main() -> None:
     for section in args.only:
         {"check": lambda: bench_check(rows, args.repeat, torch_s), "overhead": lambda: bench_overhead(rows),
          "bugs": lambda: bench_bugs(rows), "diagnosis": lambda: bench_diagnosis(rows),
-         "grade": lambda: bench_grade(rows, args.n)}[section]()
+         "grade": lambda: bench_grade(rows, args.n),
+         "spread": lambda: bench_spread(rows, torch_s, args.seeds), "selftest": lambda: bench_selftest(rows),
+         "ladder": lambda: rows.extend(ladder_rows(SDPA, "cpu", args.ladder_lengths, [], [], 3600))}[section]()
     import torch
 
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from attn_spec import reference
+from attn_spec.checking import chunked
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
@@ -19,6 +20,7 @@ SCALES = (0.5, -0.7, 2.0, None)  # None stands for 1/d_k: the "l1" scale PyTorch
 @prop("scale-argument", family="scale",
       statement="an explicit scale s gives softmax(s * Q K^T) V, for any float s including negative ones",
       cases={"masks": ("none", "random")}, after=("matches-reference",),
+      at_scale="how a scale argument is applied does not depend on the length: checked at the drawn sizes",
       examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, seed=1), Case(n_q=2, n_kv=2, d_k=2, d_v=2, seed=2)],
       lesson=Lesson(unicode="attn(Q, K, V, scale=s) = softmax(s · Q Kᵀ) V",
                     latex=r"\mathrm{attn}(Q,K,V,\mathrm{scale}=s) = \mathrm{softmax}(s\,QK^\top)\,V",
@@ -54,7 +56,7 @@ def scale_argument(target, case):
 
 @prop("is-causal", family="masking",
       statement="is_causal=True equals a causal mask (top-left or bottom-right aligned, reported when n_q != n_kv)",
-      cases={"masks": ("none",)}, after=("causal-mask", "matches-reference"),
+      cases={"masks": ("none",)}, after=("causal-mask", "matches-reference"), at_scale={"masks": ("none",)},
       examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2), Case(n_q=2, n_kv=4, d_k=2, d_v=1, seed=1)],
       lesson=Lesson(unicode="attn(Q, K, V, is_causal=True) = attn(Q, K, V, mask = [j ≤ i + offset])",
                     latex=r"\mathrm{attn}(Q,K,V,\mathrm{is\_causal}) = \mathrm{attn}(Q,K,V,\mathrm{mask}=[j \le i + \mathrm{offset}])",
@@ -76,13 +78,16 @@ def is_causal(target, case):
     require_responsive(target, case)
     candidates = {}
     for alignment in ("top-left", "bottom-right"):
-        mask = reference.causal_mask(case.n_q, case.n_kv, alignment=alignment, device=q.device)  # [Tq, Tk]
-        expected, _ = reference.attention(q, k, v, mask)
-        candidates[alignment] = (max_error(got, expected), budget(q, k, v, mask, expected), expected)
+        if case.n_q == case.n_kv and candidates:  # square: the same triangle
+            candidates[alignment] = candidates["top-left"]
+            continue
+        expected = chunked.reference_output(q, k, v, causal=True, causal_alignment=alignment)  # no [Tq, Tk] mask
+        allowed = budget(q, k, v, None, expected, causal=True, causal_alignment=alignment)
+        candidates[alignment] = (max_error(got, expected), allowed, expected)
     if any(err <= allowed for err, allowed, _ in candidates.values()):
         return
     err, allowed, expected = candidates["top-left"]
-    no_mask, _ = reference.attention(q, k, v)
+    no_mask = chunked.reference_output(q, k, v)
     cause = ("is_causal is ignored" if max_error(got, no_mask) <= allowed
              else "the causal triangle is off by one or misaligned")
     fail(f"max error {err:.3g} (top-left) and {candidates['bottom-right'][0]:.3g} (bottom-right)",

@@ -9,7 +9,7 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking import probes
+from attn_spec.checking import chunked, probes
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.assertions import assert_close, fail
@@ -25,6 +25,8 @@ def _ones_like_values(k):
 
 @prop("rows-sum-to-one", family="softmax",
       statement="every row of weights is a distribution over the keys: non-negative, sums to 1",
+      at_scale="it reads the weights with V = identity, an [n_q, n_kv] output per head; at such sizes "
+               "matches-reference checks the rows' values",
       examples=[Case(n_q=3, n_kv=2, d_k=2, d_v=2), Case(n_q=1, n_kv=1, d_k=1, d_v=1)],
       lesson=Lesson(unicode="A = softmax(Q Kᵀ/√d_k),   Σⱼ Aᵢⱼ = 1,   Aᵢⱼ ≥ 0",
                     latex=r"A = \mathrm{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}}\right),\quad \sum_j A_{ij} = 1,\quad A_{ij} \ge 0",
@@ -83,7 +85,7 @@ def derive_rows_sum_to_one():
 
 @prop("causal-mask", family="masking",
       statement="under a causal mask, weights above the diagonal are 0 and output i ignores keys and values after i",
-      cases={"masks": ("causal",), "min_n_kv": 2},
+      cases={"masks": ("causal",), "min_n_kv": 2}, at_scale={"masks": ("causal",)},
       examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal"), Case(n_q=2, n_kv=4, d_k=1, d_v=1, mask="causal")],
       lesson=Lesson(unicode="Aᵢⱼ = 0 for j > i,   outᵢ depends on K₀..ᵢ, V₀..ᵢ only",
                     latex=r"A_{ij} = 0 \ \text{for}\ j > i,\qquad \mathrm{out}_i = f(Q_i, K_{\le i}, V_{\le i})",
@@ -96,12 +98,33 @@ def causal_mask(target, case):
     Why: a decoder trained with a leak from the future learns to copy the next token and is
     useless at generation time. Catches: the mask ignored, inverted (True taken as 'ignore'),
     off by one (triu diagonal=0 masks the current token; row 0 then has no key), a mask
-    applied after the softmax.
+    applied after the softmax. Beyond probes.WEIGHTS_LIMIT the weights are not read (V = identity
+    would be [n_q, n_kv] wide): the output under the mask is compared with the reference instead.
     """
     require_responsive(target, case)
     q, k, v, mask = case.tensors()
+    if probes.weights_fit(case.n_q, case.n_kv):
+        _causal_weights(target, case, q, k, mask)
+    else:
+        _causal_outputs(target, q, k, v, mask)
+    split = case.n_kv // 2  # keys and values from here on are the future of the first `split` queries
+    k2, v2 = k.clone(), v.clone()
+    k2[..., split:, :] = -k2[..., split:, :] * 3 + 1
+    v2[..., split:, :] = v2[..., split:, :] * 5 - 2
+    rows = min(split, case.n_q)
+    before = target.attend(q, k, v, mask)[..., :rows, :]
+    after = target.attend(q, k2, v2, mask)[..., :rows, :]
+    assert_close(after, before, budget=2 * budget(q, k, v, mask, chunked.reference_output(q, k, v, mask)),
+                 what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
+                 call="attention(Q, K', V', causal mask)",
+                 cause="the output reads the future even though the weights look causal",
+                 labels=("the outputs with the future keys and values changed", "the outputs before the change"))
+
+
+def _causal_weights(target, case, q, k, mask):
+    """Weights read with V = identity: zero above the diagonal, and no allowed key left out."""
     w = probes.weights(target, q, k, mask).double().cpu()  # [..., Tq, Tk]
-    ref_w = reference.attention(q, k, v, mask)[1]  # [..., Tq, Tk]
+    ref_w = reference.attention(q, k, k, mask)[1]  # [..., Tq, Tk]
     future = ~reference.causal_mask(case.n_q, case.n_kv)  # [Tq, Tk]
     leak = w.masked_fill(~future, 0.0).abs()
     labels = ("the weights, read with V = identity", "the reference's weights")
@@ -122,23 +145,46 @@ def causal_mask(target, case):
              call="attention(Q, K, V=identity, causal mask)",
              cause="the causal mask is off by one (triu with diagonal=0 masks the current token?)",
              got=w, expected_tensor=ref_w, labels=labels)
-    split = case.n_kv // 2  # keys and values from here on are the future of the first `split` queries
-    k2, v2 = k.clone(), v.clone()
-    k2[..., split:, :] = -k2[..., split:, :] * 3 + 1
-    v2[..., split:, :] = v2[..., split:, :] * 5 - 2
-    rows = min(split, case.n_q)
-    before = target.attend(q, k, v, mask)[..., :rows, :]
-    after = target.attend(q, k2, v2, mask)[..., :rows, :]
-    assert_close(after, before, budget=2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0]),
-                 what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
-                 call="attention(Q, K', V', causal mask)",
-                 cause="the output reads the future even though the weights look causal",
-                 labels=("the outputs with the future keys and values changed", "the outputs before the change"))
+
+
+def _causal_outputs(target, q, k, v, mask):
+    """At lengths too long to read the weights: the output under the causal mask matches the reference.
+
+    A mismatch counts against the mask only when the same target matches the reference without a
+    mask (otherwise its values are wrong, which matches-reference reports); which wrong mask
+    reproduces the output on a few rows names the bug."""
+    got = target.attend(q, k, v, mask)  # [..., Tq, Dv]
+    expected = chunked.reference_output(q, k, v, mask)
+    allowed = budget(q, k, v, mask, expected)
+    if max_error(got, expected) <= allowed:
+        return
+    plain_ref = chunked.reference_output(q, k, v)
+    if max_error(target.attend(q, k, v, None), plain_ref) > budget(q, k, v, None, plain_ref):
+        return  # wrong without a mask too: not the mask's failure
+    assert_close(got, expected, budget=allowed, what="the output under the causal mask against the float64 "
+                 "reference (without a mask it matches)", call="attention(Q, K, V, causal mask)",
+                 cause=lambda: _diagnose_causal(got, q, k, v, mask, allowed))
+
+
+def _diagnose_causal(got, q, k, v, mask, allowed) -> str:
+    """Which wrong mask reproduces the output, on a few rows (probes.sample_rows)."""
+    rows = probes.sample_rows(q.shape[-2])  # [R] first and last among them
+    i, j = rows[:, None], torch.arange(k.shape[-2])[None, :]  # [R, 1], [1, Tk]
+    m = mask[..., rows.to(mask.device), :].cpu()  # [R, Tk]
+    candidates = [("the mask is ignored", None),
+                  ("the mask is applied with inverted polarity (True taken as 'ignore')", ~m),
+                  ("the causal mask is off by one (the diagonal is masked: triu with diagonal=0?)", m & (j < i))]
+    got_rows = got[..., rows.to(got.device), :]
+    for cause, candidate in candidates:
+        if max_error(got_rows, reference.attention(q[..., rows.to(q.device), :], k, v, candidate)[0]) <= allowed:
+            return cause
+    return "the mask does not reach every query and key (applied to the wrong axis or a fixed-size block?)"
 
 
 @prop("permutation-equivariance", family="symmetry",
       statement="permuting queries permutes outputs; permuting keys with values leaves them unchanged",
       cases={"min_n_kv": 2}, multihead="module",
+      at_scale="a symmetry of the formula that does not depend on the length: checked at the drawn sizes",
       examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2, seed=1), Case(n_q=2, n_kv=4, d_k=2, d_v=3, mask="random", seed=2),
                 MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2, seed=1)],
       lesson=Lesson(unicode="attn(P Q, K, V) = P attn(Q, K, V),   attn(Q, S K, S V) = attn(Q, K, V)",
@@ -215,6 +261,7 @@ _SCALE_EXAMPLES = [MhaCase(n_q=1, n_kv=2, d_model=16, n_heads=2), Case(n_q=1, n_
 @prop("scale-sqrt-dk", family="scale",
       statement="scores are scaled by exactly 1/sqrt(d_k)",
       cases={"dtypes": ("float64", "float32")}, multihead="module", examples=_SCALE_EXAMPLES,
+      at_scale={"masks": ("none",)},
       lesson=Lesson(unicode="scores = Q Kᵀ · 1/√d_k",
                     latex=r"S = \frac{QK^\top}{\sqrt{d_k}}",
                     check="One query e₀ and two keys 0 and √d_k·e₀: raw score gap √d_k, so the weight on the second key "

@@ -12,7 +12,9 @@ from attn_spec.properties.informative import require_responsive
 
 @prop("devices-agree", family="devices",
       statement="outputs on every available device agree with the CPU output within the error budget",
-      after=("matches-reference",), examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="cuda"),
+      after=("matches-reference",),
+      at_scale="it compares with a run on the CPU of the same inputs; checked at the drawn sizes",
+      examples=[Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="cuda"),
                                               Case(n_q=2, n_kv=3, d_k=4, d_v=2, device="mps")],
       lesson=Lesson(unicode="|attn_dev(Q, K, V) − attn_cpu(Q, K, V)| ≤ 2 · budget",
                     latex=r"\left|\mathrm{attn}_{\mathrm{dev}}(Q,K,V) - \mathrm{attn}_{\mathrm{cpu}}(Q,K,V)\right| \le 2\,\mathrm{budget}",

@@ -28,6 +28,7 @@ VJP = "the backward of attention(Q, K, V, mask) with upstream gradient G"
       statement="the output is differentiable in Q, K and V; gradients are finite and match the reference's "
                 "(and, in float64, finite differences of its own forward); under a causal mask no gradient reaches future positions",
       cases={"batch": False}, after=("determinism", "inputs-unchanged", "causal-mask", "matches-reference"),
+      at_scale={"masks": ("none", "causal")},
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal", seed=1),
                 Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal", values="normal", seed=2),
                 Case(batch=(2,), n_q=3, n_kv=5, d_k=3, d_v=2, dtype="float32", mask="random", seed=3)],
@@ -78,11 +79,14 @@ def gradients(target, case):
 
 
 def _grad_out(case):
-    """A fixed upstream gradient G [..., Tq, Dv] from the case's seed, in the case's style and dtype."""
-    gen = torch.Generator().manual_seed(case.seed + 1)
+    """A fixed upstream gradient G [..., Tq, Dv] from the case's seed, in the case's style and dtype
+    (drawn on the case's device for a large case, as its inputs)."""
+    device = case.device if case.large else "cpu"
+    gen = torch.Generator(device=device).manual_seed(case.seed + 1)
     shape = (*case.batch, case.n_q, case.d_v)
-    g = (torch.randint(-2, 3, shape, generator=gen).double() if case.values == "integers"
-         else torch.randn(shape, generator=gen, dtype=torch.float64))
+    g = (torch.randint(-2, 3, shape, generator=gen, device=device).double() if case.values == "integers"
+         else torch.randn(shape, generator=gen, dtype=torch.float64 if device == "cpu" else torch.float32,
+                          device=device))
     return g.to(case.torch_dtype).to(case.device)
 
 

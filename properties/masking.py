@@ -68,6 +68,8 @@ def _leak_cause(w, allowed, q, k, mask) -> str:
                 "where additive masks are in the target's contract (sdpa, torch-mha, flex, hf with float masks, or declared with --masks), "
                 "a bool mask and the equivalent additive -inf mask agree",
       cases={"masks": ("random", "causal"), "min_n_kv": 2}, after=("rows-sum-to-one", "scale-sqrt-dk"),
+      at_scale="it reads the weights with V = identity, an [n_q, n_kv] output per head; at such sizes "
+               "matches-reference checks a padding mask and causal-mask a causal one",
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, mask="causal"),
                 Case(n_q=3, n_kv=4, d_k=4, d_v=2, dtype="float32", mask="random", seed=3),
                 Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", mask="causal")],
@@ -182,6 +184,7 @@ def _flat_batch(t, batch):
       statement="each element of the leading batch/head dims is computed on its own: the batched output "
                 "equals the per-example outputs, and broadcast (stride-0) K/V or masks work",
       conventions=FUNCTION_CONVENTIONS, cases={"batch": True}, after=("rows-sum-to-one",),
+      at_scale="it recomputes every batch element alone; checked at the drawn sizes",
       examples=[Case(batch=(2,), n_q=2, n_kv=3, d_k=2, d_v=2, seed=5),
                 Case(batch=(2, 2), n_q=2, n_kv=2, d_k=2, d_v=1, mask="random", seed=6)],
       lesson=Lesson(unicode="out[b] = attn(Q[b], K[b], V[b], mask[b])   for every batch index b",

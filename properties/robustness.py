@@ -10,6 +10,7 @@ import math
 import torch
 
 from attn_spec import reference
+from attn_spec.checking import chunked
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import Case, MhaCase
@@ -47,7 +48,7 @@ def _identical(a, b) -> bool:
 
 @prop("determinism", family="robustness",
       statement="the same inputs give bitwise identical outputs; no dropout or randomness at inference",
-      cases={"batch": False}, multihead="module",
+      cases={"batch": False}, multihead="module", at_scale={"masks": ("none",)},
       examples=[Case(n_q=8, n_kv=8, d_k=4, d_v=4, values="normal", seed=1),
                 MhaCase(n_q=6, n_kv=6, d_model=8, n_heads=2, seed=1)],
       lesson=Lesson(unicode="attn(X) ≡ attn(X)   bitwise, across calls",
@@ -80,7 +81,7 @@ def determinism(target, case):
 
 @prop("inputs-unchanged", family="robustness",
       statement="the target does not modify Q, K, V or the mask in place",
-      cases={"batch": False}, multihead="module",
+      cases={"batch": False}, multihead="module", at_scale={"masks": ("padding",)},
       examples=[Case(n_q=3, n_kv=3, d_k=4, d_v=2, mask="causal", values="normal", seed=1),
                 MhaCase(n_q=3, n_kv=3, d_model=4, n_heads=2, mask="causal", seed=1)],
       lesson=Lesson(unicode="Q, K, V, mask after the call ≡ before the call",
@@ -130,7 +131,7 @@ def _in_place_cause(name, new, old) -> str:
 
 @prop("dtype-device", family="robustness",
       statement="the output has the inputs' dtype and device",
-      cases={"batch": False}, multihead="module",
+      cases={"batch": False}, multihead="module", at_scale={"masks": ("none",)},
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16"), Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float64"),
                 Case(n_q=2, n_kv=2, d_k=2, d_v=2, dtype="bfloat16", device="cuda"),
                 MhaCase(n_q=2, n_kv=2, d_model=4, n_heads=2, dtype="float16"),
@@ -198,6 +199,7 @@ def _two_heads_sharing_kv(q, k, v, mask):
 @prop("non-contiguous", family="robustness",
       statement="transposed, sliced and expanded inputs give the same result as contiguous copies",
       multihead="module", after=("determinism", "inputs-unchanged", "matches-reference"),
+      at_scale="its layouts copy the inputs into other buffers; checked at the drawn sizes",
       examples=[Case(batch=(2,), n_q=3, n_kv=4, d_k=3, d_v=2, mask="random", values="normal", seed=1),
                 MhaCase(n_q=3, n_kv=4, d_model=4, n_heads=2, mask="random", seed=1)],
       lesson=Lesson(unicode="attn(strided X) = attn(X.contiguous())",
@@ -270,6 +272,7 @@ LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) g
       statement="lengths well beyond toy sizes (hundreds in the default profile, thousands in thorough) and "
                 "head dims up to 256 work and match the reference",
       cases={"batch": False}, after=("determinism", "matches-reference", "numerical-stability"),
+      at_scale="the fixed shapes are the long sequences: matches-reference checks them",
       examples=[Case(n_q=4, n_kv=520, d_k=16, d_v=8, dtype="float16", values="normal", magnitude=1.75),
                 Case(n_q=8, n_kv=160, d_k=256, d_v=256, dtype="float32", values="normal", seed=1),
                 Case(n_q=64, n_kv=160, d_k=64, d_v=32, dtype="float32", mask="causal", values="normal", seed=2)],
@@ -339,6 +342,7 @@ GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV he
                 "heads repeated in the target's grouping, probed and reported (blocked: query head h reads KV "
                 "head h // g; tile: h % H_kv)",
       conventions=FUNCTION_CONVENTIONS, after=("matches-reference", "batch-independence"),
+      at_scale={"masks": ("none",), "grouped": True},
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal"),
                 Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)],
       lesson=Lesson(unicode="attn(Q[g·H_kv heads], K[H_kv], V[H_kv]) = attn(Q, K′, V′),   K′ = repeat_interleave(K, g)",
@@ -357,10 +361,15 @@ def gqa_equivalence(target, case):
     holds it to one. A target that raises on unequal head counts does not support GQA: the
     property is then a skip. Why: GQA shrinks the KV cache g-fold, and a head mapping that
     changes with the input still trains, only worse. Catches: every query head reading KV
-    head 0, a mapping that is neither grouping.
+    head 0, a mapping that is neither grouping. A case with ``kv_heads`` (a fixed shape
+    B,H,HKV,...) is checked with its own grouping.
     """
-    n_kv_heads, group = GROUPINGS[case.seed % len(GROUPINGS)]
-    n_heads = n_kv_heads * group
+    if case.kv_heads:
+        n_heads, n_kv_heads = case.batch[-1], case.kv_heads
+    else:
+        n_kv_heads, group = GROUPINGS[case.seed % len(GROUPINGS)]
+        n_heads = n_kv_heads * group
+    group = n_heads // n_kv_heads
     try:
         got = target.attend(*_grouped_inputs(case, n_heads, n_kv_heads))  # [..., Hq, Tq, Dv]
     except TargetRaised as exc:
@@ -374,7 +383,7 @@ def gqa_equivalence(target, case):
     grouping = behaviour(target, "gqa-grouping", case.dtype, case.device)
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
     repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
-    expected, _ = reference.attention(q, *repeated, mask)
+    expected = chunked.reference_output(q, *repeated, mask)
     allowed = budget(q, *repeated, mask, expected)
     assert_close(got, expected, budget=allowed, what=f"the output against the float64 reference on K/V heads repeated "
                  f"in the target's grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
@@ -393,15 +402,17 @@ def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping) -> str:
     """Which head mapping reproduces the output?"""
     for other in ("blocked", "tile"):
         repeated = [_repeat_heads(t, group, other) for t in (k, v)]
-        if other != grouping and max_error(got, reference.attention(q, *repeated, mask)[0]) <= allowed:
+        if other != grouping and max_error(got, chunked.reference_output(q, *repeated, mask)) <= allowed:
             return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
                     f"gqa-grouping={grouping}: the head mapping depends on the input")
-    if max_error(got, reference.attention(q, k[..., :1, :, :], v[..., :1, :, :], mask)[0]) <= allowed:
+    if max_error(got, chunked.reference_output(q, k[..., :1, :, :], v[..., :1, :, :], mask)) <= allowed:
         return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
     return "query heads are mapped to KV heads by neither grouping (blocked h // g, tile h % Hkv)"
 
 def _grouped_inputs(case, n_heads, n_kv_heads):
     """Q [..., Hq, Tq, Dk], K and V [..., Hkv, Tk, D], mask [..., Hq, Tq, Tk] or [Tq, Tk]."""
+    if case.kv_heads:
+        return case.tensors()  # already grouped
     q, _, _, mask = case.replace(batch=case.batch + (n_heads,)).tensors()
     _, k, v, _ = case.replace(batch=case.batch + (n_kv_heads,), seed=case.seed + 1).tensors()
     return q, k, v, mask

@@ -213,3 +213,14 @@ def test_the_tox_thorough_env_runs_the_catalog_in_parallel():
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "4 passed" in run.stdout and "created: " in run.stdout  # four targets, on xdist workers
+
+
+def test_attn_shapes_checks_fixed_shapes_with_the_properties_that_apply(pytester):
+    sdpa = "torch.nn.functional:scaled_dot_product_attention"
+    result = pytester.runpytest_subprocess("--attn-target", sdpa, "--attn-shapes", "1,2,1,16,40,8 1,1,24,8",
+                                           "--attn-only", "matches-reference,gqa-equivalence,mask-semantics",
+                                           "--attn-seed", "4", "-v", "-rs")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["attn-spec *devices cpu*, shapes 1,2,1,16,40,8 1,1,24,8",
+                                 "*::matches-reference PASSED*", "*::mask-semantics SKIPPED*",
+                                 "*::gqa-equivalence PASSED*", "*mask-semantics: it reads the weights*"])

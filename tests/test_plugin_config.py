@@ -53,7 +53,7 @@ def test_a_bad_ini_value_names_the_file_and_key(attn_project, filename):
     result = attn_project.runpytest_subprocess("--collect-only")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: attn-spec: profile='huge' from {filename} {section} attn_profile: "
-                                 "must be one of quick, default, thorough"])
+                                 "must be one of quick, default, thorough, scale"])
 
 
 def test_precedence_flag_over_environment_over_ini_over_tool_attn_spec(attn_project, monkeypatch):

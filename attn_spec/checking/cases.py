@@ -5,6 +5,7 @@ it, a report can print it, and a reproduction snippet can rebuild it exactly.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,16 +31,26 @@ def available_devices() -> list[str]:
     return devices
 
 
-def _values(gen, shape, style, magnitude):
+LARGE = 2**22  # entries per tensor beyond which a case draws its values on its own device (below)
+
+
+def _values(gen, shape, style, magnitude, dtype=torch.float64, device="cpu"):
     if style == "integers":  # small integers: counterexamples stay readable
-        return torch.randint(-2, 3, shape, generator=gen).double() * magnitude
-    return torch.randn(shape, generator=gen, dtype=torch.float64) * magnitude
+        return torch.randint(-2, 3, shape, generator=gen, device=device).to(dtype) * magnitude
+    return torch.randn(shape, generator=gen, dtype=dtype, device=device) * magnitude
 
 
-def _random_mask(gen, shape):
+def _padding_mask(gen, batch, n_kv, device="cpu"):
+    """Bool key-padding mask [..., 1, Tk]: each batch element keeps its first L keys, L drawn in
+    [n_kv / 2, n_kv] (at least 1), as padded sequences of different lengths. O(n) memory at any length."""
+    keep = torch.randint((n_kv + 1) // 2, n_kv + 1, batch + (1, 1), generator=gen, device=device).clamp_min(1)
+    return torch.arange(n_kv, device=device) < keep  # [..., 1, Tk]
+
+
+def _random_mask(gen, shape, device="cpu"):
     """Bool mask [..., Tq, Tk] with at least one allowed key per row."""
-    mask = torch.rand(shape, generator=gen) < 0.6  # [..., Tq, Tk]
-    keep = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=gen)  # [..., Tq, 1]
+    mask = torch.rand(shape, generator=gen, device=device) < 0.6  # [..., Tq, Tk]
+    keep = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=gen, device=device)  # [..., Tq, 1]
     return mask.scatter(-1, keep, True)
 
 
@@ -56,10 +67,12 @@ class Case:
     device: str = "cpu"
     values: str = "integers"  # "integers" (readable) or "normal"
     magnitude: float = 1.0  # multiplies every entry of Q, K and V
-    mask: str = "none"  # "none", "random" (per batch element) or "causal" (top-left, [n_q, n_kv])
+    mask: str = "none"  # "none", "random" (per batch element), "causal" (top-left, [n_q, n_kv]) or
+    #                     "padding" (keys beyond each element's length, [..., 1, n_kv])
     seed: int = 0
     layout: str = "contiguous"  # "heads": with batch dims [..., B, H], Q, K, V are views split from
     # [..., B, n, H, d] by view(B, n, H, d).transpose(1, 2), as models make heads (non-contiguous)
+    kv_heads: int = 0  # grouped-query attention: K and V have this many heads on the last batch dim (0: as Q)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -74,24 +87,38 @@ class Case:
             return t
         return t.transpose(-3, -2).contiguous().transpose(-3, -2)  # [..., H, n, d], strides of [..., n, H, d]
 
+    @property
+    def large(self) -> bool:
+        """More than LARGE entries in Q, K or V: values are drawn on the case's device, in float32
+        (or the case's dtype if wider), from that device's generator: no float64 copy on the CPU."""
+        size = max(self.n_q * self.d_k, self.n_kv * max(self.d_k, self.d_v))
+        return size * math.prod(self.batch) > LARGE
+
     def tensors(self):
         """(Q, K, V, mask) in the case's dtype and device; mask is bool or None."""
-        gen = torch.Generator().manual_seed(self.seed)
+        large = self.large
+        device = self.device if large else "cpu"
+        draw = torch.float64 if not large or self.dtype == "float64" else torch.float32
+        gen = torch.Generator(device=device).manual_seed(self.seed)
         b = self.batch
-        q = _values(gen, b + (self.n_q, self.d_k), self.values, self.magnitude)  # [..., Tq, Dk]
-        k = _values(gen, b + (self.n_kv, self.d_k), self.values, self.magnitude)  # [..., Tk, Dk]
-        v = _values(gen, b + (self.n_kv, self.d_v), self.values, self.magnitude)  # [..., Tk, Dv]
+        b_kv = b[:-1] + (self.kv_heads,) if self.kv_heads else b
+        q = _values(gen, b + (self.n_q, self.d_k), self.values, self.magnitude, draw, device)  # [..., Tq, Dk]
+        k = _values(gen, b_kv + (self.n_kv, self.d_k), self.values, self.magnitude, draw, device)  # [..., Tk, Dk]
+        v = _values(gen, b_kv + (self.n_kv, self.d_v), self.values, self.magnitude, draw, device)  # [..., Tk, Dv]
         mask = None
         if self.mask == "random":
-            mask = _random_mask(gen, b + (self.n_q, self.n_kv))  # [..., Tq, Tk]
+            mask = _random_mask(gen, b + (self.n_q, self.n_kv), device)  # [..., Tq, Tk]
         elif self.mask == "causal":
-            mask = causal_mask(self.n_q, self.n_kv)  # [Tq, Tk]
+            mask = causal_mask(self.n_q, self.n_kv, device=device)  # [Tq, Tk]
+        elif self.mask == "padding":
+            mask = _padding_mask(gen, b, self.n_kv, device)  # [..., 1, Tk]
         q, k, v = (self._laid_out(t.to(self.torch_dtype).to(self.device)) for t in (q, k, v))
         return q, k, v, (None if mask is None else mask.to(self.device))
 
     def summary(self) -> str:
-        parts = [f"Q {list(self.batch) + [self.n_q, self.d_k]}", f"K {list(self.batch) + [self.n_kv, self.d_k]}",
-                 f"V {list(self.batch) + [self.n_kv, self.d_v]}", self.dtype, self.device]
+        b_kv = list(self.batch[:-1]) + [self.kv_heads] if self.kv_heads else list(self.batch)
+        parts = [f"Q {list(self.batch) + [self.n_q, self.d_k]}", f"K {b_kv + [self.n_kv, self.d_k]}",
+                 f"V {b_kv + [self.n_kv, self.d_v]}", self.dtype, self.device]
         if self.mask != "none":
             parts.append(f"{self.mask} mask")
         if self.layout == "heads" and len(self.batch) >= 2:

@@ -50,6 +50,9 @@ class Property:
     examples: tuple = ()  # explicit cases, tried first, before anything random
     after: tuple[str, ...] = ()  # properties whose failure explains (blocks) this one
     lesson: Lesson | None = None
+    # At fixed shapes (--shapes, the scale profile; see attn_spec.checking.shapes): the cases to check
+    # there, {"masks": (...), "grouped": bool}, or why the property does not apply at such sizes.
+    at_scale: dict | str | None = None
 
     @property
     def derivation(self) -> Callable[[], list] | None:
@@ -87,14 +90,14 @@ class Property:
 
 
 def prop(id: str, *, family: str, statement: str, conventions=ATTENTION_CONVENTIONS, cases=None,
-         multihead=False, examples=(), after=(), lesson: Lesson | None = None):
+         multihead=False, examples=(), after=(), lesson: Lesson | None = None, at_scale=None):
     """Register ``fn`` under ``id`` (stable, kebab-case: a public contract)."""
 
     def register(fn):
         if id in REGISTRY:
             raise ValueError(f"property id {id!r} is registered twice")  # sanity check
         entry = REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
-                                        multihead, tuple(examples), tuple(after), lesson)
+                                        multihead, tuple(examples), tuple(after), lesson, at_scale)
 
         @functools.wraps(fn)
         def check_case(target, case):  # properties.rows_sum_to_one(my_attention, case) works too

@@ -6,6 +6,7 @@ import math
 import torch
 
 from attn_spec import reference
+from attn_spec.checking import chunked, probes
 from attn_spec.checking.tolerance import max_error, naive_attention
 
 F64 = torch.float64
@@ -19,8 +20,11 @@ def _softmax_attention(q, k, v, mask, *, scale, dim=-1):
     return torch.softmax(scores, dim=dim).nan_to_num(0.0) @ v  # [..., Tq, Dv]
 
 
-def mistakes(q, k, v, mask):
-    """(description, output) for each classic mistake, computed in float64."""
+def mistakes(q, k, v, mask, *, all_rows=True):
+    """(description, output) for each classic mistake, computed in float64.
+
+    ``all_rows=False``: q holds some of the queries only (a long case), so mistakes that mix the
+    queries (a softmax over them) cannot be reproduced and are left out."""
     d_k = q.shape[-1]
     s = 1 / math.sqrt(d_k)
     yield "scores are not scaled (missing 1/sqrt(d_k))", _softmax_attention(q, k, v, mask, scale=1.0)
@@ -29,7 +33,7 @@ def mistakes(q, k, v, mask):
     yield "the scale is applied twice (1/d_k^1.5)", _softmax_attention(q, k, v, mask, scale=s / d_k)
     if v.shape[-1] != d_k:
         yield "the scale uses d_v instead of d_k", _softmax_attention(q, k, v, mask, scale=1 / math.sqrt(v.shape[-1]))
-    if q.shape[-2] > 1:
+    if q.shape[-2] > 1 and all_rows:
         yield "the softmax runs over the query axis (dim=-2) instead of the keys", \
             _softmax_attention(q, k, v, mask, scale=s, dim=-2)
     if mask is not None and not bool(mask.all()):
@@ -37,6 +41,19 @@ def mistakes(q, k, v, mask):
         if bool((~mask).any(dim=-1).all()):  # inverting leaves every row some key
             yield "the mask is applied with inverted polarity (True taken as 'ignore')", \
                 _softmax_attention(q, k, v, ~mask, scale=s)
+    yield from _dropped_tail(q, k, v, mask, s)
+
+
+def _dropped_tail(q, k, v, mask, s):
+    """Keys beyond the last full block of a blocked kernel ignored: a loop over n_kv // block blocks."""
+    n_kv = k.shape[-2]
+    for block in (16, 32, 64, 128, 256, 512, 1024):
+        kept = n_kv - n_kv % block
+        if 0 < kept < n_kv:
+            m = None if mask is None else mask[..., :kept]
+            yield (f"the last {n_kv - kept} keys are ignored: the loop over key blocks of {block} drops the "
+                   f"partial block at the end (n_kv = {n_kv} is not a multiple of {block})",
+                   _softmax_attention(q, k[..., :kept, :], v[..., :kept, :], m, scale=s))
 
 
 def trivial_outputs(q, k, v):
@@ -53,7 +70,10 @@ def trivial_outputs(q, k, v):
 
 
 def diagnose_mismatch(got, q, k, v, mask, budget: float) -> str:
-    """One sentence naming the mistake that reproduces ``got``, or '' if none does."""
+    """One sentence naming the mistake that reproduces ``got``, or '' if none does.
+
+    At long lengths (the scores do not fit in one chunk) the mistakes are reproduced on a few
+    query rows only (probes.sample_rows), each at the cost of [rows, n_kv] scores."""
     if not torch.isfinite(got).all():
         return "the output has NaN or inf where the reference is finite"
     for description, output in trivial_outputs(q, k, v):
@@ -61,7 +81,13 @@ def diagnose_mismatch(got, q, k, v, mask, budget: float) -> str:
             return description
     if got.numel() > 1 and bool((got == got.flatten()[0]).all()):
         return f"the output is the constant {got.flatten()[0].item():.4g} everywhere: it ignores its inputs"
-    for description, output in mistakes(q, k, v, mask):
+    all_rows = chunked.fits(q, k, v, mask)
+    if not all_rows:
+        rows = probes.sample_rows(q.shape[-2])
+        q, got = q[..., rows.to(q.device), :], got[..., rows.to(got.device), :]
+        if mask is not None and mask.shape[-2] > 1:
+            mask = mask[..., rows.to(mask.device), :]
+    for description, output in mistakes(q, k, v, mask, all_rows=all_rows):
         if max_error(got, output) <= max(budget, 1e-3 * max(1.0, output.abs().max().item())):
             return description
     if q.dtype == F64:  # a float64 target that secretly computes in float32

@@ -31,6 +31,10 @@ the 19 differentiable correct variants of ``tests/gallery`` (every dtype, 100 th
 each): the worst one uses 12% of its budget, and its error is at most 0.46 floor units, so the
 floor alone (FLOOR_ULPS = 2) covers each of them four times over; the factor covers a target
 that rounds worse than the naive formula.
+
+At lengths where the whole score matrix does not fit in one chunk (``chunked.fits``), both the
+closed form and the naive implementations' autograd run a chunk of query rows at a time: dQ
+row by row, dK and dV summed over the chunks, so the kit's memory stays O(chunk x n_kv + n x d).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import math
 import torch
 
 from attn_spec import reference
+from attn_spec.checking import chunked
 from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error, naive_attention, seed_attention
 
 GRAD_FACTOR = 2 * FACTOR
@@ -57,6 +62,8 @@ def reference_grads(q, k, v, mask, grad_out, *, scale=None, absolute=False):
     absolute values of their terms: the magnitudes the rounding of any implementation scales with.
     """
     s = _scale(q, scale)
+    if not chunked.fits(q, k, v, mask):
+        return _chunked_reference_grads(q, k, v, mask, grad_out, scale=s, absolute=absolute)
     weights = reference.attention(q, k, v, mask, scale=s)[1]  # [..., Tq, Tk]
     q, k, v, g = (t.detach().to("cpu", F64) for t in (q, k, v, grad_out))
     if absolute:
@@ -70,12 +77,55 @@ def reference_grads(q, k, v, mask, grad_out, *, scale=None, absolute=False):
     return dq, dk, dv
 
 
+def _chunked_reference_grads(q, k, v, mask, grad_out, *, scale, absolute):
+    """The same closed form a chunk of query rows at a time: dQ per chunk, dK and dV summed."""
+    device = chunked.compute_device(q)
+    batch = chunked.batch_shape(q, k, v, mask)
+    dq, dk, dv = (torch.zeros(*batch, *shape, dtype=F64, device=device)
+                  for shape in (q.shape[-2:], k.shape[-2:], v.shape[-2:]))
+    last = None
+    for index, rows, q_c, k64, v64, weights in chunked.blocks(q, k, v, mask, scale=scale):  # weights [c, Tk]
+        g = chunked.element(grad_out, index)[rows].detach().to(device, F64)  # [c, Dv]
+        if absolute:
+            if index != last:  # each element's |K|, |V| once
+                k_abs, v_abs, last = k64.abs(), v64.abs(), index
+            q_c, k64, v64, g = q_c.abs(), k_abs, v_abs, g.abs()
+        d_weights = g @ v64.T  # [c, Dv] x [Dv, Tk] -> [c, Tk]
+        row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [c, 1]
+        d_scores = weights * (d_weights + row if absolute else d_weights - row)  # [c, Tk]
+        dq[index][rows] = scale * (d_scores @ k64)  # [c, Tk] x [Tk, Dk] -> [c, Dk]
+        dk[index] += scale * (d_scores.T @ q_c)  # [Tk, c] x [c, Dk] -> [Tk, Dk]
+        dv[index] += weights.T @ g  # [Tk, c] x [c, Dv] -> [Tk, Dv]
+    return dq, dk, dv
+
+
 def naive_grads(impl, q, k, v, mask, grad_out):
-    """(dQ, dK, dV) from autograd through ``impl(q, k, v, mask)`` in the inputs' dtype and device."""
+    """(dQ, dK, dV) from autograd through ``impl(q, k, v, mask)`` in the inputs' dtype and device;
+    a chunk of query rows at a time when the whole score matrix does not fit in one."""
+    if not chunked.fits(q, k, v, mask):
+        return _chunked_naive_grads(impl, q, k, v, mask, grad_out)
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
         out = impl(*leaves, mask)
         return torch.autograd.grad((out * grad_out).sum(), leaves)  # <out, grad_out>: see Target.vjp
+
+
+def _chunked_naive_grads(impl, q, k, v, mask, grad_out):
+    """Autograd through ``impl`` per chunk of query rows; dK and dV summed over chunks in the dtype."""
+    batch = chunked.batch_shape(q, k, v, mask)
+    dq, dk, dv = (torch.zeros(*batch, *t.shape[-2:], dtype=t.dtype, device=t.device) for t in (q, k, v))
+    # autograd keeps about four [rows, Tk] buffers per chunk: a quarter of the chunk's bytes each
+    chunks = chunked.row_chunks(q.shape[-2], k.shape[-2], chunked.chunk_bytes_for(q.device) // 4)
+    for index, q_e, k_e, v_e, mask_e in chunked.elements(q, k, v, mask):
+        for rows in chunks:
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q_e[rows], k_e, v_e)]
+            with torch.enable_grad():
+                out = impl(*leaves, chunked.row_mask(mask_e, rows))  # [c, Dv]
+                g_q, g_k, g_v = torch.autograd.grad((out * chunked.element(grad_out, index)[rows]).sum(), leaves)
+            dq[index][rows] = g_q
+            dk[index] += g_k
+            dv[index] += g_v
+    return dq, dk, dv
 
 
 def grad_budgets(q, k, v, mask, grad_out, ref_grads) -> tuple[float, float, float]:

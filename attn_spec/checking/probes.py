@@ -25,6 +25,21 @@ def plain_mask(target, n: int, device="cpu"):
     return None if "none" in supports(target, device=device).masks else causal_mask(n, n, device=device)
 
 
+WEIGHTS_LIMIT = 2**20  # entries of one [Tq, Tk] weight matrix read with V = identity (1024 x 1024)
+
+
+def weights_fit(n_q: int, n_kv: int) -> bool:
+    """Whether reading the weights with V = identity is affordable: beyond, the probe's output
+    [..., Tq, Tk] and the target's work on a Tk-wide V grow as n^2 and n^3."""
+    return n_q * n_kv <= WEIGHTS_LIMIT
+
+
+def sample_rows(n_q: int, count: int = 16) -> torch.Tensor:
+    """[R] evenly spaced query rows, the first and the last among them: where a diagnosis looks at
+    long lengths, so that each candidate mistake costs [R, Tk] scores instead of [Tq, Tk]."""
+    return torch.linspace(0, n_q - 1, min(n_q, count)).round().long().unique()
+
+
 def weights(target, q, k, mask=None) -> torch.Tensor:
     """The attention weights [..., Tq, Tk] the target applies, read with V = identity."""
     n_kv = k.shape[-2]

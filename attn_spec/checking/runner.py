@@ -26,6 +26,7 @@ from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, TargetRaised, Uninformative, Unsupported
 from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
 from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
+from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.strategies import get_profile
 from attn_spec.diagnosis.evidence import differs, record
 from attn_spec.diagnosis.run import diagnose_report
@@ -110,18 +111,21 @@ def _global_rng(seed: int, salt: str):
 
 
 def run_property(prop: Property, target: Target, *, profile: str, seed: int, dtypes, devices,
-                 verbose: bool = False) -> PropertyResult:
+                 verbose: bool = False, rungs=None) -> PropertyResult:
     """Run one property: explicit examples first, then random cases, shrinking any failure.
 
     The cases are those the target takes (probed once per target: attn_spec.checking.fitting); a
     property that ran on no input at all is a skip that says what was not checked, never a pass.
     The target's prints, warnings and log records are captured (``result.output``; all that was
     kept with ``verbose``); its exceptions are its failures; an exception of the kit's own is an
-    ``error`` with the kit's traceback."""
+    ``error`` with the kit's traceback. ``rungs`` (fixed shapes, see attn_spec.checking.shapes):
+    the property's cases at those shapes instead, nothing drawn or shrunk."""
     result = PropertyResult(prop.id, "pass", statement=prop.statement)
     if target.convention not in prop.conventions:
         result.status, result.message = "skip", f"does not apply to the {target.convention} convention"
         return result
+    if rungs is not None:
+        return run_fixed(prop, target, rungs, seed, result, verbose=verbose)
     prof = get_profile(profile)
     with capture():  # a target not probed yet (check_property) is probed here, its prints kept off the terminal
         takes = supports(target, dtypes, devices[0])
@@ -226,6 +230,56 @@ def _measure_flakiness(result: PropertyResult, exc: Flaky, prop: Property, targe
 ROOT = "matches-reference"  # what a vacuous failure is blocked by: it names what the output is
 
 
+def run_fixed(prop: Property, target: Target, rungs, seed: int, result: PropertyResult, *,
+              verbose: bool = False) -> PropertyResult:
+    """Check ``prop`` on its cases at each rung, in order; stop at the first failure.
+
+    As in run_property, the target's output is captured and torch's global RNG seeded for the
+    property; a case on which the property's relation does not bite (Uninformative) is not counted
+    as checked, and a property with no case checked is a skip that says why."""
+    planned = [(rung, fixed_cases(prop, target.convention, rung, seed)) for rung in rungs]
+    cases = [case for _, made in planned if not isinstance(made, str) for case in made]
+    reasons = list(dict.fromkeys(made for _, made in planned if isinstance(made, str)))
+    unsupported, uninformative, start = [], [], time.perf_counter()
+    with capture() as output, _global_rng(seed, prop.id):
+        for case in cases:
+            if unsupported and unsupported[-1].total:
+                break
+            result.examples += 1
+            try:
+                prop.fn(target, case)
+            except Uninformative as exc:
+                uninformative.append(exc)
+            except Unsupported as exc:
+                unsupported.append(exc)
+            except Failure as failure:
+                result.status, result.message, result.cause = "fail", failure.message, failure.cause
+                result.message += f" (at {case.summary()})"
+                result.vacuous, result.case = failure.vacuous, case
+                result.found_after_calls = target.calls
+                result.counterexample = _counterexample(prop, failure, case, target, seed)
+                break
+            except Exception as exc:  # noqa: BLE001 - out of memory, or a bug in the kit: reported, never hidden
+                result.status = "error"
+                result.message = (f"the kit ran out of memory at {case.summary()}: {exc}" if _out_of_memory(exc) else
+                                  f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                break
+    result.seconds = time.perf_counter() - start
+    result.output = output.summary(verbose)
+    if result.status == "pass":
+        checked = result.examples - len(unsupported) - len(uninformative)
+        skipped = [str(u) for u in (unsupported + uninformative)[:1]] + reasons
+        if not checked:
+            result.status, result.message = "skip", "; ".join(skipped)
+        elif skipped:
+            result.message = "; ".join([f"checked on {checked} cases at fixed shapes"] + [f"skipped: {r}" for r in skipped])
+    return result
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
 def mark_blocked(results) -> None:
     """A failure explained by an earlier property's failure is reported as blocked by it.
 
@@ -305,14 +359,14 @@ def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: i
 
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
                  devices=None, progress=None, require=None, exitfirst=False, expected=(),
-                 diagnose=True, verbose=False) -> TargetReport:
+                 diagnose=True, verbose=False, rungs=None) -> TargetReport:
     """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target; then, when
     something failed and ``diagnose``, group the failures by root (:mod:`attn_spec.diagnosis`).
 
     ``exitfirst``: after the first failure of a property not in ``expected`` (an expectations file's
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
     failures, its output is captured, the global state it changes is restored after each call and
-    listed in ``state_changes``."""
+    listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
     report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
     dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
     # A FlexAttention mod gets only its own properties, an attention none of the mods' (the others skip with why).
@@ -335,7 +389,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         if progress:
             progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
         results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices,
-                                        verbose=verbose)
+                                        verbose=verbose, rungs=rungs)
     report.properties = [results[p.id] for p in props]
     for result in report.properties:  # counted from the first property's first call, not the probes'
         if result.found_after_calls is not None:

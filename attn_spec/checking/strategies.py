@@ -17,6 +17,11 @@ default   15        1..8, or 17, 64, 113, 130       1..8, or 32, 59, 128,   up t
                                                     256
 thorough  120       1..12, or up to 512             1..12, or up to 256     up to 3
 ========  ========  ==============================  ======================  ==========
+
+A fourth profile, ``scale``, draws nothing: a check runs a fixed ladder of shapes
+(``attn_spec.checking.shapes.ladder``: lengths 1k, 4k, 16k on the CPU, up to 128k on a GPU, head
+dims 64, 128, 256), float32 on the CPU, bfloat16 and float16 on a GPU, with the properties that
+apply at such sizes.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class Profile:
     dims: tuple[int, ...]  # ... and these larger head dims
     max_batch_dims: int
     magnitudes: tuple[float, ...]  # entry scales; large ones make the softmax nearly one-hot
+    ladder: bool = False  # check the fixed shapes of attn_spec.checking.shapes.ladder instead of drawing
 
 
 PROFILES = {
@@ -46,6 +52,8 @@ PROFILES = {
     "default": Profile("default", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0)),
     "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
                         3, (0.1, 1.0, 3.0, 8.0)),
+    # Draws like default when asked to (strategies.cases("scale")), but a check runs the ladder.
+    "scale": Profile("scale", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), ladder=True),
 }
 
 

@@ -16,12 +16,19 @@ correct variants in ``tests/gallery`` (einsum, online softmax, float64 inside, S
 logsumexp, chunked, ...): ``python benchmarks/calibrate_tolerance.py`` prints, per dtype and
 variant, the worst error seen in units of floor_unit (at most 0.32 over 200 thorough cases
 each) and relative to the naive error.
+
+At lengths where the whole score matrix would not fit in one chunk (``chunked.fits``), both
+naive implementations run a chunk of query rows at a time, in the same dtype and on the same
+device: each row's arithmetic, hence its rounding, is what the one-shot form does, and the
+memory stays O(chunk x n_kv + n x d).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from attn_spec.checking import chunked
 
 FACTOR = 4.0
 FLOOR_ULPS = 2.0
@@ -47,8 +54,13 @@ def naive_attention(q, k, v, mask=None, *, scale=None):
 
 
 def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |got - ref| in float64; NaN or inf anywhere counts as an infinite error."""
-    diff = (got.detach().to("cpu", torch.float64) - ref.detach().to("cpu", torch.float64)).abs()
+    """max |got - ref| in float64; NaN or inf anywhere counts as an infinite error.
+
+    Computed where both live when they share a device with float64 (a long output stays on its
+    GPU), on the CPU otherwise."""
+    same = got.device == ref.device and got.device.type != "mps"
+    device = got.device if same else "cpu"
+    diff = (got.detach().to(device, torch.float64) - ref.detach().to(device, torch.float64)).abs()
     if diff.numel() == 0:
         return 0.0
     if not torch.isfinite(diff).all():
@@ -65,9 +77,30 @@ def seed_attention(q, k, v, mask=None, *, scale=None):
     return torch.softmax(scores, dim=-1) @ v  # [..., Tq, Dv]
 
 
-def naive_error(q, k, v, mask, ref_out, *, scale=None) -> float:
+def by_rows(impl, q, k, v, mask=None, *, scale=None, causal=False, causal_alignment="top-left"):
+    """``impl(q, k, v, mask)`` [..., Tq, Dv] in the inputs' dtype, in chunks of query rows when the
+    whole score matrix does not fit in one (``causal``: the causal mask of each chunk's rows)."""
+    if chunked.fits(q, k, v, mask) and not causal:
+        return impl(q, k, v, mask, scale=scale)
+    batch = chunked.batch_shape(q, k, v, mask)
+    out = torch.empty(*batch, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)  # [..., Tq, Dv]
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    offset = 0 if causal_alignment == "top-left" else n_kv - n_q
+    for index, q_e, k_e, v_e, mask_e in chunked.elements(q, k, v, mask):
+        for rows in chunked.row_chunks(n_q, n_kv, chunked.chunk_bytes_for(q.device)):
+            m = chunked.row_mask(mask_e, rows)  # [c or 1, Tk]
+            if causal:
+                i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]  # [c, 1]
+                future = torch.arange(n_kv, device=q.device)[None, :] > i + offset  # [c, Tk]
+                m = ~future if m is None else m & ~future
+            out[index][rows] = impl(q_e[rows], k_e, v_e, m, scale=scale)  # [c, Dv]
+    return out
+
+
+def naive_error(q, k, v, mask, ref_out, *, scale=None, causal=False, causal_alignment="top-left") -> float:
     """The larger error of two ordinary same-dtype implementations; one alone can be lucky."""
-    errors = [max_error(impl(q, k, v, mask, scale=scale), ref_out) for impl in (naive_attention, seed_attention)]
+    errors = [max_error(by_rows(impl, q, k, v, mask, scale=scale, causal=causal, causal_alignment=causal_alignment),
+                        ref_out) for impl in (naive_attention, seed_attention)]
     finite = [e for e in errors if math.isfinite(e)]
     return max(finite) if finite else 0.0  # both overflowed: judge by the floor alone
 
@@ -86,9 +119,11 @@ def floor_unit(q, k, v, *, scale=None) -> float:
     return eps(q.dtype) * v_scale * (math.sqrt(k.shape[-2]) + min(score, 1e6))
 
 
-def budget(q, k, v, mask, ref_out, *, scale=None) -> float:
-    """The largest error a correct implementation may show on these inputs."""
-    return FACTOR * naive_error(q, k, v, mask, ref_out, scale=scale) + FLOOR_ULPS * floor_unit(q, k, v, scale=scale)
+def budget(q, k, v, mask, ref_out, *, scale=None, causal=False, causal_alignment="top-left") -> float:
+    """The largest error a correct implementation may show on these inputs (``causal``: under the
+    causal mask of that alignment, as ``reference.attention`` takes it)."""
+    naive = naive_error(q, k, v, mask, ref_out, scale=scale, causal=causal, causal_alignment=causal_alignment)
+    return FACTOR * naive + FLOOR_ULPS * floor_unit(q, k, v, scale=scale)
 
 
 def naive_multihead(x_q, x_kv, weights, n_heads, mask=None):

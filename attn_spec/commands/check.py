@@ -25,6 +25,8 @@ Examples:
   attn-spec check my_kernels.py:flash_like --layout bshd
   attn-spec check mymods.py:sliding_window_mask --expect-mask sliding-window:4
   attn-spec check mymods.py:tanh_softcap --expect-score softcap:50
+  attn-spec check my.py:attention --shapes 1,8,4096,128 1,32,8,1,32768,128   # B,H,N,D or B,H,HKV,NQ,NKV,D
+  attn-spec check torch.nn.functional:scaled_dot_product_attention --profile scale
 
 Every setting can also come from an environment variable (ATTN_SPEC_PROFILE=quick, ...) or the
 [tool.attn-spec] table of pyproject.toml (profile = "quick"); the command line wins, then the

@@ -137,7 +137,8 @@ def keys_transposed_in_place(q, k, v, mask, scale):
 
 @mistake("kv-buffer-truncated", family="long sequences", caught_by=("long-sequences",),
          params=tuple({"slots": n} for n in (512, 256, 1024, 128, 2048, 4096, 64, 32, 16)),
-         sentence="a fixed buffer of {slots} key slots: keys beyond it are silently dropped",
+         sentence="keys beyond the first {slots} are silently dropped: a fixed buffer of {slots} key slots, or a "
+                  "loop over key blocks that skips the partial block at the end",
          fix="size buffers from the input (K.shape[-2]), or loop over all key blocks")
 def kv_buffer_truncated(q, k, v, mask, scale, slots):
     return correct(q, k[..., :slots, :], v[..., :slots, :], None if mask is None else mask[..., :slots], scale)

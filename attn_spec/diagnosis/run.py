@@ -1,6 +1,9 @@
 """Diagnose a target's failures: replay each one, fit the mistake models, group them by root."""
 from __future__ import annotations
 
+import math
+
+from attn_spec.checking import chunked
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.model import MISTAKES
@@ -18,6 +21,15 @@ def case_of(result):
     return (MhaCase if "d_model" in fields else Case)(**fields)
 
 
+def replayable(case) -> bool:
+    """The mistake models replay a case in float64 on the CPU, each on all of its scores at once: they are
+    made for minimal cases. A case of a fixed shape whose scores take more than one chunk of the chunked
+    reference (attn_spec.checking.chunked) is not replayed (at 10k keys that took over 10 minutes): its
+    failure keeps the cause its property found on a few of its rows."""
+    scores = math.prod(getattr(case, "batch", ())) * case.n_q * case.n_kv  # [..., Tq, Tk]
+    return 8 * scores <= chunked.CHUNK_BYTES["cpu"]
+
+
 def diagnose(target, results, registry) -> list[Diagnosis]:
     """The roots of the failing ``results`` of ``target`` (``registry``: property id -> Property)."""
     order = [r.id for r in results]
@@ -32,7 +44,7 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     evidences, shortlist = {}, []
     for r in failures:
         case = case_of(r)
-        if case is not None:
+        if case is not None and replayable(case):
             evidences[r.id] = gather(r.id, registry[r.id].fn, target, case, shortlist=shortlist)
             shortlist += [f.mistake.id for f in evidences[r.id].fits if f.mistake.id not in shortlist]
     after = {pid: registry[pid].after for pid in registry}
@@ -47,7 +59,7 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
 def diagnose_one(target, result, registry, *, shortlist=()) -> Diagnosis | None:
     """The root of one failing result on its own (pytest items, ``check_property``), or None."""
     case = case_of(result)
-    if result.status != "fail" or case is None or result.id not in registry:
+    if result.status != "fail" or case is None or not replayable(case) or result.id not in registry:
         return None
     evidence = gather(result.id, registry[result.id].fn, target, case, shortlist=shortlist)
     roots = group([result.id], {result.id: evidence}, order=[result.id], after={}, target=target,

@@ -105,6 +105,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)  # e.g. stale lines of an expectations file
     expect: str | None = None  # the expectations file applied (--expect), if any
     not_loaded: list[dict] = field(default_factory=list)  # {target, message}: TARGETs that could not be loaded
+    shapes: list[str] = field(default_factory=list)  # fixed shapes checked (--shapes, the scale profile)
 
     @property
     def conforms(self) -> bool:
@@ -138,7 +139,7 @@ class Report:
         return {"kit_version": self.kit_version, "profile": self.profile, "seed": self.seed,
                 "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
                 "conforms": self.conforms, "warnings": list(self.warnings), "expect": self.expect,
-                "not_loaded": list(self.not_loaded), "summary": self.summary(),
+                "not_loaded": list(self.not_loaded), "summary": self.summary(), "shapes": list(self.shapes),
                 "targets": [t.to_dict() for t in self.targets]}
 
     def to_json(self) -> str:

@@ -326,6 +326,8 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
     out = []
     header = (f"attn-spec {report.kit_version} · profile {report.profile} · seed {report.seed} · "
               f"torch {report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
+    if report.shapes:
+        header += f" · shapes {' '.join(report.shapes)}"
     out.append(f"# Conformance report\n\n{header}" if markdown else header)
     for t in report.targets:
         title = f"{t.target} ({t.convention} convention): {t.verdict}"

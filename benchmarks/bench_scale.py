@@ -1,0 +1,210 @@
+"""A check at the sizes kernels run: time and peak memory per rung of the scale ladder, the kit's share.
+
+    python benchmarks/bench_scale.py [--device cpu|cuda] [--lengths 1024 4096] [--dims 64 128] [--markdown]
+    python benchmarks/bench_scale.py --device cuda --gpu-conformance
+
+Each rung (one shape, one dtype) runs in a fresh process (``--worker``) that
+1. warms up (imports, every kernel's first call) with a tiny fixed-shape check;
+2. runs the target alone on every case the check will give it, forward and backward: the target's
+   own peak memory (its inputs, workspace, output and gradients) and time;
+3. runs ``attn_spec.check(target, shapes=[shape])`` with the target's calls timed.
+The kit's share of the time is the check's wall time outside the target's calls; its share of the
+memory is what the check adds on top of the target's own peak: on the CPU the rise of ru_maxrss
+(every allocator: torch, Python, glibc; tracemalloc would see Python's only), on a GPU the rise of
+torch.cuda.max_memory_allocated. The largest length that fits extrapolates the measured peaks,
+linear in n at a fixed head dim (the kit keeps O(chunk x n + n x d)), to this machine's memory.
+
+``--gpu-conformance`` (a GPU): SDPA through each backend and FlexAttention must conform at 32k keys
+in bfloat16, and ``examples/blocked_attention.py:drops_last_block`` must fail at a length that is not
+a multiple of its block, in float32 and (reported) in bfloat16.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+SDPA = "torch.nn.functional:scaled_dot_product_attention"
+
+
+def _peak_bytes(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(spec: str, shape: str, dtype: str, device: str, only: list[str]) -> dict:
+    """One rung in this process: the target alone, then the check; figures as a dict."""
+    import torch
+
+    import attn_spec
+    from attn_spec.checking.cases import Case
+    from attn_spec.checking.shapes import Rung, Shape, fixed_cases
+    from attn_spec.properties import select
+    from attn_spec.targets.conventions import make_target
+    from attn_spec.targets.loading import load_target
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    fn, inside = load_target(spec), [0.0]
+
+    @functools.wraps(fn)  # the target's signature: its convention sees the same arguments
+    def timed(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync()
+            inside[0] += time.perf_counter() - start
+
+    props = select(only or None)
+    convention = make_target(fn).convention
+    attn_spec.check(timed, shapes=["1,2,1,8,64,16"], dtypes=[dtype], devices=[device], seed=0, only=only or None,
+                    convention=convention)  # warm
+    start_rss = _peak_bytes(device)
+    target = make_target(timed, convention=convention)
+    rung = Rung(Shape.parse(shape), dtype, device)
+    inside[0] = 0.0
+    for prop in props:  # the target's own work on each case it will get
+        made = fixed_cases(prop, convention, rung, 0)
+        for case in [] if isinstance(made, str) else [c for c in made if isinstance(c, Case)]:
+            q, k, v, mask = case.tensors()
+            try:
+                target.attend(q, k, v, mask)
+                if prop.id == "gradients":
+                    target.vjp(q, k, v, mask, torch.ones(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=device))
+            except Exception:  # noqa: BLE001 - what the target cannot do, the check reports
+                pass
+            del q, k, v, mask
+    alone_s = inside[0]
+    base = _peak_bytes(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the check's own peak from here
+    inside[0] = 0.0
+    start, cpu = time.perf_counter(), time.process_time()
+    report = attn_spec.check(timed, shapes=[shape], dtypes=[dtype], devices=[device], seed=0, only=only or None,
+                             convention=convention)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    peak = _peak_bytes(device)
+    t = report.targets[0]
+    return {"shape": shape, "dtype": dtype, "device": device, "wall": wall, "cpu": cpu, "target_s": inside[0],
+            "target_alone_s": alone_s, "calls": t.calls, "start": start_rss, "base": base, "peak": peak,
+            "conforms": report.conforms,
+            "failed": [f"{p.id}: {p.message} ({p.cause})" for p in t.properties if p.status in ("fail", "error")],
+            "checked": [p.id for p in t.properties if p.status == "pass"]}
+
+
+def run_rung(spec, shape, dtype, device, only, timeout) -> dict:
+    cmd = [sys.executable, __file__, "--worker", spec, shape, dtype, device, *only]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return {"shape": shape, "dtype": dtype, "device": device, "error": proc.stderr.strip()[-400:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mb(x) -> str:
+    return f"{x / 2**20:.0f} MB"
+
+
+def _available_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as fh:
+        info = dict(line.split(":", 1) for line in fh)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def ladder_rows(spec, device, lengths, dims, only, timeout) -> list[list]:
+    from attn_spec.checking.shapes import DEVICE_DTYPES, ladder
+
+    shapes = [s for s in ladder(device) if (not lengths or s.n_kv in lengths) and (not dims or s.d in dims)]
+    rows, fits = [], {}
+    for shape in shapes:
+        for dtype in DEVICE_DTYPES[device] if device != "cpu" else ("float32",):
+            r = run_rung(spec, str(shape), dtype, device, only, timeout)
+            label = f"check at {shape} ({dtype}, {device})"
+            if "error" in r:
+                rows.append([label, "error", r["error"], "", ""])
+                continue
+            kit_mem, own_mem = max(r["peak"] - r["base"], 0), r["base"] - r["start"]
+            kit_time = 1 - r["target_s"] / r["wall"]
+            rows.append([label, f"{r['wall']:.1f} s, {_mb(r['peak'])} peak",
+                         f"kit {kit_time:.0%} of the time (target {r['target_s']:.2f} s in {r['calls']} calls); kit "
+                         f"+{_mb(kit_mem)} over the target's own {_mb(own_mem)}; {len(r['checked'])} properties "
+                         f"checked" + (f"; FAILED {r['failed']}" if r["failed"] else ""),
+                         "conforms", "yes" if r["conforms"] else "NO"])
+            fits.setdefault((shape.d, dtype), []).append((shape.n_kv * shape.heads, r["peak"] - r["start"], r["wall"]))
+    available = _available_bytes(device)
+    for (d, dtype), points in fits.items():
+        if len(points) < 2:
+            continue
+        (n0, m0, _), (n1, m1, t1) = points[-2], points[-1]
+        slope = max((m1 - m0) / (n1 - n0), 1.0)  # bytes per key (times heads), from the two longest rungs
+        n_max = int(n1 + (available - m1) / slope)
+        rows.append([f"largest length that fits (d={d}, {dtype}, {device})", f"about {n_max:,} keys",
+                     f"memory: {_mb(available)} available, {slope / 1024:.1f} KB per key from the two longest rungs; "
+                     f"time grows as n^2: one check there would take about {t1 * (n_max / n1) ** 2 / 3600:.0f} h",
+                     "", ""])
+    return rows
+
+
+def gpu_conformance_rows(timeout) -> list[list]:
+    """SDPA per backend and FlexAttention at 32k bf16; the tail bug at a long length in float32 and bfloat16."""
+    rows = []
+    for spec, dtype in [(f"{ROOT / 'benchmarks' / 'gpu_targets.py'}:{name}", "bfloat16")
+                        for name in ("sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")]:
+        r = run_rung(spec, "1,8,2,32768,32768,128", dtype, "cuda", [], timeout)
+        rows.append([f"{spec.rsplit(':', 1)[1]} at 1,8,2,32768,32768,128 ({dtype})",
+                     "error" if "error" in r else f"{r['wall']:.1f} s, {_mb(r['peak'])} peak",
+                     r.get("error") or ("; ".join(r["failed"]) or f"{len(r['checked'])} properties checked"),
+                     "conforms", "yes" if r.get("conforms") else "NO"])
+    for dtype in ("float32", "bfloat16"):
+        spec = f"{ROOT / 'examples' / 'blocked_attention.py'}:drops_last_block"
+        r = run_rung(spec, "1,8,2,1024,33000,128", dtype, "cuda", ["matches-reference"], timeout)
+        rows.append([f"drops_last_block at 1,8,2,1024,33000,128 ({dtype})",
+                     "error" if "error" in r else ("fails" if not r["conforms"] else "passes"),
+                     r.get("error") or "; ".join(r["failed"]) or "not caught", "fails",
+                     "yes" if r.get("conforms") is False else "NO"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--target", default=SDPA, help=f"the target checked on the ladder (default {SDPA})")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--lengths", type=int, nargs="*", default=[], help="only these ladder lengths")
+    parser.add_argument("--dims", type=int, nargs="*", default=[], help="only these head dims")
+    parser.add_argument("--only", nargs="*", default=[], help="only these property ids")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per rung")
+    parser.add_argument("--gpu-conformance", action="store_true")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        spec, shape, dtype, device, *only = args.worker
+        print(json.dumps(worker(spec, shape, dtype, device, only)))
+        return
+    rows = gpu_conformance_rows(args.timeout) if args.gpu_conformance else \
+        ladder_rows(args.target, args.device, args.lengths, args.dims, args.only, args.timeout)
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after\n")
+    print(tabulate(rows, headers=["measure", "figure", "detail", "target", "met"],
+                   tablefmt="github" if args.markdown else "simple"))
+
+
+if __name__ == "__main__":
+    main()
