@@ -106,8 +106,8 @@ _SETTINGS = (
     Setting("expect", "file of properties known to fail or skip, one id per line with a # comment: they do not "
             "fail the run, and stale lines are reported", metavar="FILE", paths="file"),
     Setting("masks", "mask forms the targets take: bool (True = may attend; every convention) and additive "
-            "(float masks added to the scores; part of the sdpa and torch-mha conventions), e.g. bool,additive "
-            "(default: the convention's)", kind="list", choices=("bool", "additive"), metavar="FORMS",
+            "(float masks added to the scores; part of the sdpa, torch-mha and flex conventions, and of hf where "
+            "Hugging Face builds float masks), e.g. bool,additive (default: the convention's)", kind="list", choices=("bool", "additive"), metavar="FORMS",
             unset="the convention's"),
     Setting("inference-only", "the targets are inference kernels: an output without autograd makes gradients a "
             "skip, not a failure (function, module and adapter targets must otherwise be differentiable)",

@@ -50,7 +50,7 @@ class FlexTarget(Target):
         return None  # a window is a mask_mod, soft-capping a score_mod
 
     def notes(self):
-        return ["masks: a block_mask from create_block_mask (a float mask's finite values through a score_mod); "
+        return ["how masks reach it: a block_mask from create_block_mask (a float mask's finite values through a score_mod); "
                 "is_causal and sliding windows as mask_mods, softcap as a score_mod"]
 
     @staticmethod
