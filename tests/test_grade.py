@@ -39,9 +39,9 @@ output_kb = 8
 CORRECT = ["correct_seed", "correct_einsum_mha", "correct_float64", "correct_folder", "flood", "vandal"]
 
 
-def _cli(*args, cwd=None):
+def _cli(*args, cwd=None, env=None):
     return subprocess.run([sys.executable, "-m", "attn_spec", "grade", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def _digest(folder: Path) -> dict:
@@ -63,11 +63,14 @@ def graded(tmp_path_factory):
         (subs / "forger" / "targets.txt").write_text(f"{out}\n")
     before = _digest(subs)
     (base / "rubric.toml").write_text(RUBRIC)
-    run = _cli(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2)
+    scratch = base / "tmp"  # the grader's TMPDIR: its scratch folders are this run's alone (xdist runs others)
+    scratch.mkdir()
+    run = _cli(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2,
+               env={**os.environ, "TMPDIR": str(scratch)})
     grades = json.loads((out / "grades.json").read_text())
     by_name = {s["name"]: s for s in grades["submissions"]}
     return {"run": run, "out": out, "subs": subs, "grades": grades, "by": by_name, "before": before,
-            "bystander": bystander, "base": base}
+            "bystander": bystander, "base": base, "scratch": scratch}
 
 
 def _points(sub, status=None, convention=None):
@@ -222,14 +225,14 @@ def test_the_files_around_survive(graded):
 
 
 def test_no_scratch_folder_or_process_is_left_behind(graded):
-    import tempfile
-
-    assert not [p for p in Path(tempfile.gettempdir()).glob("attn-spec-grade-*")
-                if p.stat().st_mtime >= graded["base"].stat().st_mtime]
+    """The run's scratch folders are gone, and so are its processes: the zygote and every child work in
+    a folder under the run's TMPDIR (other tests' graders, under xdist, work under theirs)."""
+    scratch = str(graded["scratch"])
+    assert not list(graded["scratch"].glob("attn-spec-grade-*"))
     workers = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if b"attn_spec.grading.isolation.zygote" in (proc / "cmdline").read_bytes():
+            if os.readlink(proc / "cwd").startswith(scratch):
                 workers.append(proc.name)
         except OSError:
             pass
