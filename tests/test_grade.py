@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -63,14 +64,17 @@ def graded(tmp_path_factory):
         (subs / "forger" / "targets.txt").write_text(f"{out}\n")
     before = _digest(subs)
     (base / "rubric.toml").write_text(RUBRIC)
-    scratch = base / "tmp"  # the grader's TMPDIR: its scratch folders are this run's alone (xdist runs others)
-    scratch.mkdir()
+    # The grader's TMPDIR: its scratch folders are this run's alone (xdist runs other graders meanwhile). Under
+    # /tmp, as the sandbox users must be able to enter it (test_a_tmpdir_the_sandbox_users_cannot_enter...).
+    scratch = Path(tempfile.mkdtemp(prefix="attn-spec-test-scratch-"))
+    scratch.chmod(0o711)
     run = _cli(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2,
                env={**os.environ, "TMPDIR": str(scratch)})
     grades = json.loads((out / "grades.json").read_text())
     by_name = {s["name"]: s for s in grades["submissions"]}
-    return {"run": run, "out": out, "subs": subs, "grades": grades, "by": by_name, "before": before,
-            "bystander": bystander, "base": base, "scratch": scratch}
+    yield {"run": run, "out": out, "subs": subs, "grades": grades, "by": by_name, "before": before,
+           "bystander": bystander, "base": base, "scratch": scratch}
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _points(sub, status=None, convention=None):
@@ -237,6 +241,18 @@ def test_no_scratch_folder_or_process_is_left_behind(graded):
         except OSError:
             pass
     assert not workers  # the zygote, its monitors and every child are gone
+
+
+@pytest.mark.skipif(not ROOT, reason="without root the children run as the grader's own user")
+def test_a_tmpdir_the_sandbox_users_cannot_enter_is_refused_before_grading(tmp_path):
+    """Scratch folders under a 0700 folder would make every submission an import-error ("Permission
+    denied"), charged to students for the grader's set-up: the grader refuses it and says why."""
+    closed = tmp_path / "private"
+    closed.mkdir(mode=0o700)
+    run = _cli(HERE / "submissions", "--out", tmp_path / "out", env={**os.environ, "TMPDIR": str(closed)})
+    assert run.returncode == 2, run.stderr
+    assert f"would go under {closed}, but the sandbox users cannot enter" in run.stderr and "Set TMPDIR" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "out" / "grades.csv").exists()
 
 
 def test_grades_json_has_the_documented_shape(graded):

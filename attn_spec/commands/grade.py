@@ -115,10 +115,14 @@ def run(args) -> int:
                else f"--jobs must be at least 1, got {args.jobs}" if args.jobs < 1 else _check_folders(args))
     if problem:
         return usage_error(args, problem)
+    from attn_spec.errors import IsolationError, KitUsageError
     from attn_spec.grading.isolation.zygote import launch
 
-    launched = launch()  # the warm worker imports torch while this process loads the catalog
-    from attn_spec.errors import KitUsageError
+    try:
+        launched = launch()  # the warm worker imports torch while this process loads the catalog
+    except IsolationError as exc:  # the machine's set-up (a TMPDIR the sandbox users cannot enter)
+        print(f"attn-spec: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
     try:
         from attn_spec.grading.grader import GRADER_ERROR

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from attn_spec.diagnosis.model import (NEG_INF, correct, leave_free, masked, mistake, scale_of, scores,
                                        softmax_keys, weights)
-from attn_spec.targets.conventions import broadcast_shapes
+from attn_spec.targets.layouts import broadcast_shapes
 
 
 def _scaled(q, scale, default):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from attn_spec.diagnosis.model import NEG_INF, correct, masked, mistake, scale_of, scores, softmax_keys
-from attn_spec.targets.conventions import broadcast_shapes
+from attn_spec.targets.layouts import broadcast_shapes
 
 
 def _batch(*tensors):

@@ -1,5 +1,6 @@
 """What is checked: loading a TARGET path, calling it through its calling convention
-(``conventions``: function, module, sdpa, torch-mha, adapter; ``hf``, ``flex``, ``mask_mods``: the
+(``base``: the Target interface; ``conventions``: which one a target follows; ``functions``: function,
+sdpa; ``modules``: module, torch-mha, adapter; ``hf``, ``flex``, ``mask_mods``: the
 library conventions, each in a module of its own; ``layouts``: [B, H, S, D] or [B, S, H, D]), the user's
 ``ModuleAdapter``s (``module_adapters``), and what the target can do and how it behaves, probed on tiny
 inputs (``capabilities``, ``behaviours``). Every call into the user's code runs under ``guard`` (the global

@@ -27,7 +27,7 @@ import torch
 from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
 from attn_spec.targets.capabilities import supports
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
+from attn_spec.targets.base import FUNCTION_CONVENTIONS
 
 VALUES = {  # the values a user may require; a probe may also report "other" or "raises"
     "fully-masked": ("nan", "zeros", "uniform"),

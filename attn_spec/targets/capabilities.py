@@ -40,7 +40,7 @@ import torch
 from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.reference import causal_mask
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
+from attn_spec.targets.base import FUNCTION_CONVENTIONS
 
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
                 "float64", "float16", "bfloat16")

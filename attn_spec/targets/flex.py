@@ -23,7 +23,7 @@ import torch
 
 from attn_spec import reference
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.targets.conventions import MASK_FORMS, Target, _call, check_output, library_convention
+from attn_spec.targets.base import MASK_FORMS, Target, _call, check_output, library_convention
 from attn_spec.targets.layouts import Heads
 
 

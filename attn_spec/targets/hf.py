@@ -36,7 +36,7 @@ import torch
 from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import Unsupported
-from attn_spec.targets.conventions import MASK_FORMS, Target, _call, library_convention, parameter_names
+from attn_spec.targets.base import MASK_FORMS, Target, _call, library_convention, parameter_names
 from attn_spec.targets.layouts import Heads
 
 HF_PARAMETERS = ["module", "query", "key", "value"]

@@ -27,7 +27,7 @@ import torch
 
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import KitUsageError, Unsupported
-from attn_spec.targets.conventions import Target, _call, library_convention
+from attn_spec.targets.base import Target, _call, library_convention
 
 MASK_FORMS = "causal|sliding-window:W|prefix-lm:P|document:IDS"
 SCORE_FORMS = "alibi|softcap:C|relative-bias"

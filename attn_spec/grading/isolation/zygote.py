@@ -24,11 +24,15 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from attn_spec.errors import IsolationError
 
 POLL_SECONDS = 0.02
 # The only variables the zygote gets from the grader's environment: none of them holds a secret.
@@ -85,8 +89,24 @@ class Launch:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+def closed_folder(path: str) -> str | None:
+    """The first folder on the way to ``path`` that other users cannot enter (no o+x), or None."""
+    for folder in [*reversed(Path(path).parents), Path(path)]:
+        if not os.stat(folder).st_mode & stat.S_IXOTH:
+            return str(folder)
+    return None
+
+
 def launch() -> Launch:
-    """Start a zygote in a fresh scratch base folder (0711: each child reaches only its own folder)."""
+    """Start a zygote in a fresh scratch base folder (0711: each child reaches only its own folder).
+    As root the children run as sandbox users, who must be able to enter the temporary folder
+    (TMPDIR): if they cannot, an IsolationError says so before anyone is graded."""
+    if os.geteuid() == 0:
+        closed = closed_folder(tempfile.gettempdir())
+        if closed:
+            raise IsolationError(f"the scratch folders would go under {tempfile.gettempdir()}, but the sandbox users "
+                                 f"cannot enter {closed} (it has no o+x): every submission would fail to import. Set "
+                                 f"TMPDIR to a folder they can reach, such as /tmp")
     base = tempfile.mkdtemp(prefix="attn-spec-grade-")
     os.chmod(base, 0o711)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -1,0 +1,246 @@
+"""The target interface every convention implements (:class:`Target`: ``attend``, ``vjp``,
+``multihead``), the calls into the user's code (``_call``: its exceptions are its own, the
+global state it changes restored) and the vocabulary of conventions and mask forms.
+The conventions themselves: functions.py, modules.py, hf.py, flex.py, mask_mods.py; which one a
+target follows: conventions.py."""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from attn_spec.checking.assertions import fail, message
+from attn_spec.errors import KitUsageError, NotDifferentiable, TargetRaised, Unsupported
+from attn_spec.targets.detached import how_detached
+from attn_spec.targets.guard import StateGuard, passes_through
+from attn_spec.targets.loading import raised_on_purpose, user_traceback
+
+
+CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod")
+ATTENTION_CONVENTIONS = CONVENTIONS[:7]  # targets that compute attention: the catalog's default
+MOD_CONVENTIONS = ("mask-mod", "score-mod")  # FlexAttention mods, checked against a named statement
+FUNCTION_CONVENTIONS = ("function", "sdpa", "hf", "flex")  # attention on Q, K, V directly
+MULTIHEAD_CONVENTIONS = ("module", "torch-mha", "adapter")  # modules with projections
+PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
+MASK_FORMS = ("bool", "additive")  # what a target may be called with as its mask
+
+
+def parse_masks(masks) -> tuple[str, ...] | None:
+    """``"bool,additive"`` or ``["bool", "additive"]`` -> ``("bool", "additive")``; None stays None
+    (the convention's default). Anything else is a usage error."""
+    if masks is None:
+        return None
+    items = masks.replace(",", " ").split() if isinstance(masks, str) else [
+        item for entry in masks for item in str(entry).replace(",", " ").split()]
+    bad = [item for item in items if item not in MASK_FORMS]
+    if bad or not items:
+        raise KitUsageError(f"masks={list(items)}, but each must be one of {', '.join(MASK_FORMS)} "
+                            f"(e.g. --masks bool,additive)")
+    return tuple(dict.fromkeys(items))
+
+
+def _call(fn, args, call: str, state: StateGuard):
+    """Run the user's code; its exceptions become a TargetRaised (or Unsupported) with its traceback.
+
+    Every exception is the target's, BaseExceptions too (SystemExit, GeneratorExit, a
+    KeyboardInterrupt it raises itself), except the user's Ctrl-C and the kit's own signals.
+    Only the user's own ``raise NotImplementedError`` (or ``raise attn_spec.Unsupported``) declares
+    an input unsupported; a NotImplementedError from inside torch or another library is a crash.
+    ``state`` restores the global state the call changed. Autograd follows the caller's mode:
+    off by default, on inside ``Target.vjp``.
+    """
+    try:
+        with state.call(call):
+            return fn(*args)
+    except Unsupported as exc:  # attn_spec.Unsupported, raised by the target to decline this input
+        raise Unsupported(f"{call} declined: {exc}", total=exc.total) from None
+    except NotImplementedError as exc:
+        if raised_on_purpose(exc):
+            raise Unsupported(f"{call} raised NotImplementedError: {exc}") from None
+        raised = TargetRaised(exc, call, user_traceback(exc))
+        raised.cause = ("a NotImplementedError raised inside torch or another library is a crash, not a "
+                        "declaration: the target's own code must raise it (or attn_spec.Unsupported) to decline "
+                        "an input")
+        raise raised from None
+    except BaseException as exc:  # noqa: BLE001 - anything the user's code raises is a finding
+        if passes_through(exc):
+            raise
+        raise TargetRaised(exc, call, user_traceback(exc)) from None
+
+
+def check_output(out, shape: tuple, call: str) -> torch.Tensor:
+    """The output must be a tensor of the contract's shape."""
+    if not isinstance(out, torch.Tensor):
+        fail(f"a {type(out).__name__}", what="the output", expected=f"a torch.Tensor of shape {list(shape)}",
+             call=call, cause="the function must return the output tensor (only the output, not a tuple)")
+    if tuple(out.shape) != tuple(shape):
+        fail(f"{list(out.shape)}", what="the output's shape", expected=f"{list(shape)}", call=call,
+             cause="the output must be [..., n_q, d_v]: one row per query, as wide as V")
+    return out
+
+
+OPTIONS = {"window": "sliding window", "softcap": "softcap"}  # attend()'s options, in words
+LIBRARY_TARGETS: dict[str, type] = {}  # convention -> Target class of hf.py, flex.py, mask_mods.py, in detection order
+
+
+def library_convention(cls):
+    """Register a Target class kept in a module of its own (imported by the attn_spec.targets package); its
+    ``detects(obj, names)`` tells detect_convention whether a callable follows it."""
+    LIBRARY_TARGETS[cls.convention] = cls
+    return cls
+
+
+class Target:
+    """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it;
+    ``masks`` the mask forms it may be called with (MASK_FORMS).
+
+    ``inference_only``: the user declared an inference kernel, so a missing backward is a skip
+    (``--inference-only``). ``state`` restores the global state each call changes and keeps what
+    it was (attn_spec.targets.guard).
+    """
+
+    convention = "?"
+    default_masks = ("bool",)
+    is_attention = True  # False for FlexAttention's mods: only their own properties apply
+    default_dtypes = None  # the dtypes checked unless the user names some (None: all)
+    gqa_contract = ""  # where grouped K/V heads are part of the convention, what tells the target: then raising fails
+
+    def __init__(self, obj, name: str, masks=None, *, inference_only: bool = False):
+        self.obj, self.name, self.calls, self.inference_only = obj, name, 0, inference_only
+        self.masks = parse_masks(masks) or self.default_masks
+        self.supported = None  # what it takes, once probed (attn_spec.targets.capabilities.supports)
+        self.behaviours = None  # its probed behaviours, once probed (attn_spec.targets.behaviours)
+        self.state = StateGuard()
+        self.output: dict[str, dict] = {}  # phase before the checks (the import) -> captured output
+        self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.diagnosis.record)
+
+    def fresh_instances(self) -> None:
+        """Forget built module instances (a module keeping state between calls starts afresh); no-op here."""
+
+    def _observe(self, kind: str, inputs: dict, thunk, label: str = "", state_key: tuple = ()):
+        """``thunk()``, the call into the user's code, kept by the recorder when one is set."""
+        if self.recorder is None:
+            return thunk()
+        return self.recorder.observe(kind, inputs, thunk, label=label, state_key=state_key)
+
+    def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False, window=None, softcap=None) -> torch.Tensor:
+        """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported); so do
+        ``window`` (w keys: query i sees keys i - w < j <= i) and ``softcap`` (cap * tanh(scores / cap))."""
+        mask = self._mask_for_call(mask, q.dtype)
+        options = {key: value for key, value in (("window", window), ("softcap", softcap)) if value is not None}
+        for key in options:
+            why = self.lacks_option(key)
+            if why:
+                raise Unsupported(why, total=True)
+        with torch.no_grad():
+            return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal, **options)
+
+    def lacks_option(self, key: str) -> str | None:
+        """Why this target cannot take attend()'s option ``key`` ("window", "softcap"); None if it can."""
+        return f"the {self.convention} convention takes no {OPTIONS[key]} argument"
+
+    def notes(self) -> list[str]:
+        """How the target is called, for the report's header (a detected layout, the mask HF builds for it)."""
+        return []
+
+    def options(self) -> dict:
+        """The make_target keywords that rebuild this target (a reproduction snippet passes them on)."""
+        return {}
+
+    def mistakes(self, q, k, v, mask):
+        """(description, float64 output) of misreadings specific to this convention, for diagnoses."""
+        return []
+
+    def _mask_for_call(self, mask, dtype):
+        """The mask in a form the target was promised: a float mask only where declared."""
+        if mask is None:
+            return None
+        if mask.dtype == torch.bool:
+            if "bool" in self.masks:
+                return mask
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+        if "additive" not in self.masks:
+            raise Unsupported(f"additive float masks are not part of the {self.convention} convention: the target "
+                              f"gets bool masks only (declare them with --masks bool,additive)", total=True)
+        return mask
+
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
+        raise NotImplementedError  # sanity check: every convention implements it
+
+    def _no_extra_arguments(self, scale, is_causal):
+        if scale is not None:
+            raise Unsupported(f"the {self.convention} convention takes no scale argument", total=True)
+        if is_causal:
+            raise Unsupported(f"the {self.convention} convention takes no is_causal argument", total=True)
+
+    def vjp(self, q, k, v, mask, grad_out):
+        """(out, dQ, dK, dV): the output and the gradients of <out, grad_out> w.r.t. Q, K and V.
+
+        A gradient that does not reach an input comes back as zeros. An exception in the backward
+        is the target's (TargetRaised, with its traceback). ``.backward()`` on leaf copies, not
+        ``torch.autograd.grad``: reentrant checkpointing (``torch.utils.checkpoint(...,
+        use_reentrant=True)``) raises inside ``autograd.grad`` and supports only ``.backward()``
+        without ``inputs``. An output that is not differentiable at all raises NotDifferentiable
+        (function, module, adapter and hf targets: they are trained) or Unsupported (inference-only
+        targets, and the library conventions sdpa, torch-mha and flex).
+        """
+        return self._observe("vjp", {"q": q, "k": k, "v": v, "mask": mask, "grad_out": grad_out},
+                             lambda: self._vjp(q, k, v, mask, grad_out), label="backward of <out, G>")
+
+    def _vjp(self, q, k, v, mask, grad_out):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        mask = self._mask_for_call(mask, q.dtype)
+        with torch.enable_grad():
+            out = self._attend(*leaves, mask)
+            if not out.requires_grad:
+                self._not_differentiable(leaves, mask)
+            # The scalar <out, grad_out>: its backward gives the same numbers as grad_outputs=grad_out
+            # (it multiplies by ones), without autograd's first-call import of sympy.
+            loss = (out * grad_out).sum()
+            call = f"the backward of {self._describe_call(mask)}"
+            _call(loss.backward, (), call, self.state)
+        grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+        return (out.detach(), *grads)
+
+    def _describe_call(self, mask) -> str:
+        return f"{self.name}(Q, K, V{', mask' if mask is not None else ''})"
+
+    def _not_differentiable(self, leaves, mask):
+        how = how_detached(lambda: self._attend(*leaves, mask))
+        if self.inference_only:
+            raise Unsupported(f"declared an inference kernel (inference_only): the output is not differentiable "
+                              f"in Q, K, V; {how}", total=True)
+        if self.convention in ("sdpa", "torch-mha", "flex"):
+            raise Unsupported(f"no autograd: the output is not differentiable in Q, K, V; {how}", total=True)
+        raise NotDifferentiable(message(f"not differentiable in Q, K, V; {how}", what="no autograd: the output",
+                                        call=self._describe_call(mask)),
+                                cause="the attention is detached from autograd, so it cannot be trained; if it is "
+                                      "an inference kernel, declare it (--inference-only, inference_only=True)")
+
+    def multihead(self, x_q, x_kv, weights, n_heads, mask=None) -> torch.Tensor:
+        raise Unsupported(f"the {self.convention} convention has no multi-head projections to compare", total=True)
+
+
+def parameter_names(fn) -> list[str] | None:
+    """The parameter names of ``fn``, from its signature or a builtin's docstring; None if unknown."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        first = (getattr(fn, "__doc__", None) or "").strip().split(")")[0]
+        if "(" not in first:
+            return None
+        return [p.split("=")[0].strip().lstrip("*") for p in first.split("(", 1)[1].split(",") if p.strip()]
+
+
+def positional_capacity(fn) -> float:
+    """How many positional arguments ``fn`` takes (inf for ``*args`` or an unreadable signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return float("inf")
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return float("inf")
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
