@@ -167,7 +167,7 @@ def test_cli_unknown_capability_is_a_usage_error(no_mask_file, capsys):
 def _calls_by_property(target):
     """Record what each successful call into ``target`` exercised, under the property running it (the
     check's progress callback names it): capability names, "non-causal mask", and dtype names."""
-    import attn_spec.targets.conventions as conventions
+    from attn_spec.targets.layouts import _grouped
     from attn_spec.reference import causal_mask
 
     used, current = {}, [None]
@@ -186,7 +186,7 @@ def _calls_by_property(target):
                                            ("dv-ne-dk", v.shape[-1] != k.shape[-1]),
                                            ("scale", kwargs.get("scale") is not None),
                                            ("is-causal", kwargs.get("is_causal")),
-                                           ("gqa", conventions._grouped(q, k))) if on)
+                                           ("gqa", _grouped(q, k))) if on)
         return found
 
     def wrap(method, extra=(), multihead=False):
