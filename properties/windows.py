@@ -103,7 +103,8 @@ def _scores_attention(q, k, v, mask, scores_fn):
       statement="logit soft-capping: each scaled score s becomes cap * tanh(s / cap) before the mask and the softmax",
       cases={"masks": ("none", "random", "causal")}, after=("matches-reference",),
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal", magnitude=3.0, seed=1),
-                Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal", magnitude=3.0, seed=2)],
+                # cap 1 under a causal mask: capping after the mask gives masked keys a score of -1, plain to see
+                Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal", magnitude=3.0, seed=4)],
       lesson=Lesson(unicode="A = softmax(mask(c · tanh(s / c))),   s = Q Kᵀ/√d_k,   −c < c · tanh(s / c) < c",
                     latex=r"A = \mathrm{softmax}\!\left(\mathrm{mask}\!\left(c \tanh\frac{s}{c}\right)\right),\qquad s = \frac{QK^\top}{\sqrt{d_k}}",
                     check="Calls the target with softcap = c (1, 5, 20 or 50) on scores large enough to saturate the tanh, "

@@ -159,10 +159,13 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         supported[0] += 1
 
     test = given(prop.strategy(prof, target.convention, dtypes=dtypes, devices=devices, fitted=fitted))(body)
-    examples = [fit_case(case, fitted, takes) for case in prop.examples_for(target.convention)]
+    # The hand-picked examples run in a dtype and on a device being checked: their own if checked, else
+    # the first (an hf target is checked without float64, where the examples are written).
+    examples = [fit_case(case.replace(dtype=case.dtype if case.dtype in dtypes else dtypes[0],
+                                      device=case.device if case.device in devices else devices[0]), fitted, takes)
+                for case in prop.examples_for(target.convention)]
     for case in reversed(list(dict.fromkeys(c for c in examples if c is not None))):
-        if case.dtype in dtypes and case.device in devices:
-            test = example(case)(test)
+        test = example(case)(test)
     test = settings(max_examples=prof.max_examples, deadline=None, database=None, derandomize=False,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet)(test)
