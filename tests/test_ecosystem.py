@@ -217,3 +217,16 @@ def test_window_and_softcap_skip_where_a_target_takes_neither():
                              only=["sliding-window", "softcap"])
     for result in report.targets[0].properties:
         assert result.status == "skip" and "takes no" in result.message
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_hand_picked_examples_run_where_float64_is_not_checked(seed):
+    """An hf target is checked in float32, float16 and bfloat16; the catalog's examples are written in float64.
+    They run in a checked dtype, so softcap's causal example with cap 1 catches the cap applied after the mask
+    at every seed (when they were dropped, the drawn cases missed it at seed 1)."""
+    from gallery.ecosystem import softcap_after_mask
+
+    target = attn_spec.check(softcap_after_mask, convention="hf", profile="quick", seed=seed, only=["softcap"]).targets[0]
+    (result,) = target.properties
+    assert result.status == "fail" and result.case.dtype != "float64", (result.status, result.message)
+    assert "after the mask" in result.cause
