@@ -53,10 +53,11 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     return options, taken, notes
 
 
-def fit_case(case, options: dict, supports):
-    """An explicit example made into one the target takes (None if its dtype is declined)."""
-    if case.dtype not in supports.dtypes:
-        return None
+def fit_case(case, options: dict, dtypes, devices):
+    """An explicit example made into one the target takes, in a dtype and on a device being checked: its
+    own if checked, else the first (an hf target is checked without float64, where examples are written)."""
+    case = case.replace(dtype=case.dtype if case.dtype in dtypes else dtypes[0],
+                        device=case.device if case.device in devices else devices[0])
     if case.mask not in options["masks"]:
         case = case.replace(mask="causal" if "causal" in options["masks"] else options["masks"][0])
     if isinstance(case, Case):

@@ -159,12 +159,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         supported[0] += 1
 
     test = given(prop.strategy(prof, target.convention, dtypes=dtypes, devices=devices, fitted=fitted))(body)
-    # The hand-picked examples run in a dtype and on a device being checked: their own if checked, else
-    # the first (an hf target is checked without float64, where the examples are written).
-    examples = [fit_case(case.replace(dtype=case.dtype if case.dtype in dtypes else dtypes[0],
-                                      device=case.device if case.device in devices else devices[0]), fitted, takes)
-                for case in prop.examples_for(target.convention)]
-    for case in reversed(list(dict.fromkeys(c for c in examples if c is not None))):
+    examples = [fit_case(case, fitted, dtypes, devices) for case in prop.examples_for(target.convention)]
+    for case in reversed(list(dict.fromkeys(examples))):
         test = example(case)(test)
     test = settings(max_examples=prof.max_examples, deadline=None, database=None, derandomize=False,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
@@ -372,7 +368,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
     report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
     dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
-    # A FlexAttention mod gets only its own properties, an attention none of the mods' (the others skip with why).
+    # A FlexAttention mod gets only its own properties, an attention none of the mods' (left out of the report).
     props = [p for p in props if target.convention in p.conventions or
              (target.is_attention and not set(p.conventions) <= set(MOD_CONVENTIONS))]
     # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
