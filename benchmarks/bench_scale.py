@@ -135,7 +135,7 @@ def ladder_rows(spec, device, lengths, dims, only, timeout) -> list[list]:
     shapes = [s for s in ladder(device) if (not lengths or s.n_kv in lengths) and (not dims or s.d in dims)]
     rows, fits = [], {}
     for shape in shapes:
-        for dtype in DEVICE_DTYPES[device] if device != "cpu" else ("float32",):
+        for dtype in DEVICE_DTYPES[device]:
             r = run_rung(spec, str(shape), dtype, device, only, timeout)
             label = f"check at {shape} ({dtype}, {device})"
             if "error" in r:

@@ -130,7 +130,7 @@ def test_budget_of_a_long_case_is_the_one_shot_budget(tiny_chunks):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(chunked.CHUNK_BYTES, "cpu", 2**24)
         one_shot = tolerance.budget(q, k, v, mask, ref)
-    assert long_budget == pytest.approx(one_shot, rel=0.5)
+    assert long_budget == pytest.approx(one_shot, rel=0.1)  # 0.97 to 1.03 over seeds
     assert long_budget >= tolerance.FLOOR_ULPS * tolerance.floor_unit(q, k, v)
 
 

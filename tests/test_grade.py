@@ -10,8 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -24,25 +22,11 @@ from attn_spec.grading import rubric as rubrics
 from attn_spec.grading.isolation import wire
 from attn_spec.grading.grader import OUTCOMES
 from attn_spec.grading.isolation.scan import scan
+from grading_run import HERE, ROOT, grade, rubric
 
-HERE = Path(__file__).parent
-ROOT = os.geteuid() == 0
-RUBRIC = """\
-profile = "quick"
-seed = 7
-[limits]
-import_seconds = 5
-call_seconds = 4
-submission_seconds = 120
-memory_mb = 256
-output_kb = 8
-"""
+OUTPUT_KB = 8
+RUBRIC = rubric(OUTPUT_KB)
 CORRECT = ["correct_seed", "correct_einsum_mha", "correct_float64", "correct_folder", "flood", "vandal"]
-
-
-def _cli(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "attn_spec", "grade", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def _digest(folder: Path) -> dict:
@@ -68,7 +52,7 @@ def graded(tmp_path_factory):
     # /tmp, as the sandbox users must be able to enter it (test_a_tmpdir_the_sandbox_users_cannot_enter...).
     scratch = Path(tempfile.mkdtemp(prefix="attn-spec-test-scratch-"))
     scratch.chmod(0o711)
-    run = _cli(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2,
+    run = grade(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2,
                env={**os.environ, "TMPDIR": str(scratch)})
     grades = json.loads((out / "grades.json").read_text())
     by_name = {s["name"]: s for s in grades["submissions"]}
@@ -205,7 +189,7 @@ def test_the_same_submission_always_gets_the_same_grade(graded):
 def test_output_is_captured_and_truncated(graded):
     flood = graded["by"]["flood"]
     assert flood["output"].startswith("loading line 0 ")
-    assert "more bytes not kept" in flood["output"] and len(flood["output"]) < 8 * 1024 + 100
+    assert "more bytes not kept" in flood["output"] and len(flood["output"]) < OUTPUT_KB * 1024 + 100
 
 
 def test_printed_and_written_forgeries_change_nothing(graded):
@@ -249,7 +233,7 @@ def test_a_tmpdir_the_sandbox_users_cannot_enter_is_refused_before_grading(tmp_p
     denied"), charged to students for the grader's set-up: the grader refuses it and says why."""
     closed = tmp_path / "private"
     closed.mkdir(mode=0o700)
-    run = _cli(HERE / "submissions", "--out", tmp_path / "out", env={**os.environ, "TMPDIR": str(closed)})
+    run = grade(HERE / "submissions", "--out", tmp_path / "out", env={**os.environ, "TMPDIR": str(closed)})
     assert run.returncode == 2, run.stderr
     assert f"would go under {closed}, but the sandbox users cannot enter" in run.stderr and "Set TMPDIR" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "out" / "grades.csv").exists()

@@ -26,6 +26,9 @@ def _graded(rows, rubric, name="s"):
 def test_a_graded_row_is_a_property_result_with_points():
     row = _row("scale-sqrt-dk", "fail")
     assert isinstance(row, PropertyResult) and row.to_dict()["id"] == "scale-sqrt-dk"
+    written = _graded([row], rubrics.load(None)).to_dict()["properties"][0]  # as grades.json has it
+    assert written["id"] == "scale-sqrt-dk" and written["status"] == "fail"
+    assert written["convention"] == "function" and written["max_points"] == 2.0 and written["points"] == 0.0
 
 
 def test_charge_blocked_decides_whether_a_blocked_failure_costs_its_points():

@@ -14,7 +14,6 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,19 +24,9 @@ from attn_spec.grading import outputs, rubric as rubrics
 from attn_spec.grading.isolation import wire, zygote
 from attn_spec.grading.submissions import UID_BASE, discover, sandbox_ids
 from attn_spec.report import markdown as md
+from grading_run import HERE, ROOT, grade, rubric
 
-HERE = Path(__file__).parent
-ROOT = os.geteuid() == 0
-RUBRIC = """\
-profile = "quick"
-seed = 7
-[limits]
-import_seconds = 5
-call_seconds = 4
-submission_seconds = 120
-memory_mb = 256
-output_kb = 16
-"""
+RUBRIC = rubric(output_kb=16)
 SECRETS = {"env": "grader-token-5f1e0c9a", "file": "root-only-secret-77c1", "bystander": "bystander-token-31d4",
            "previous": "previous-run-grade-a9e2"}
 SHM_SIZE = 64 * 2**20 + 4321  # shm_leak.py's segments
@@ -92,9 +81,8 @@ def attacked(tmp_path_factory):
     (base / "rubric.toml").write_text(RUBRIC)
     shm_before = _shm_sizes()
     try:
-        run = subprocess.run([sys.executable, "-m", "attn_spec", "grade", subs, "--out", out, "--rubric",
-                              base / "rubric.toml", "--jobs", "2"], capture_output=True, text=True, timeout=600,
-                             env=dict(os.environ, GRADER_SECRET=SECRETS["env"]))  # 1: a token the grader holds
+        run = grade(subs, "--out", out, "--rubric", base / "rubric.toml", "--jobs", 2, timeout=600,
+                    env=dict(os.environ, GRADER_SECRET=SECRETS["env"]))  # 1: a token the grader holds
         bystander_alive = bystander.poll() is None
     finally:
         bystander.kill()

@@ -97,7 +97,7 @@ class _Progress:
         if not self.enabled:
             return
         done, elapsed = len(grades), time.monotonic() - self.start
-        full = sum(1 for g in grades if g.max_score and g.score >= g.max_score)
+        full = sum(g.full_marks for g in grades)
         left = elapsed / done * (total - done)
         sys.stdout.write(f"\r\033[K[{done}/{total}] {full} with full marks · {elapsed:.0f}s elapsed · about {left:.0f}s left")
         sys.stdout.flush()
@@ -147,7 +147,7 @@ def run(args) -> int:
     counts: dict[str, int] = {}
     for g in grades:
         counts[g.outcome] = counts.get(g.outcome, 0) + 1
-    full = sum(1 for g in grades if g.max_score and g.score >= g.max_score)
+    full = sum(g.full_marks for g in grades)
     print(f"graded {len(grades)} submission(s) in {time.monotonic() - start:.1f}s: {full} with full marks; "
           + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items(), key=lambda kv: -kv[1])))
     print(f"wrote grades.csv, grades.json, summary.md and feedback/ in {args.out}")

@@ -69,6 +69,10 @@ class Grade:
     feedback: str = ""
     feedback_file: str = ""  # its file under feedback/, one to one with the name (outputs.feedback_stem)
 
+    @property
+    def full_marks(self) -> bool:
+        return bool(self.max_score) and self.score >= self.max_score
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -134,9 +138,7 @@ class Grader:
             finally:
                 child.close()
                 grade.output = child.output.text()
-                noted = {hit["name"] for hit in grade.forbidden if hit["how"] == "called while grading"}
-                grade.forbidden += [{"name": name, "how": "called while grading"}  # while loading, say
-                                    for name in sorted(child.forbidden - noted)]
+                _note_calls(grade, child)  # close() read the rest: calls made while loading, say
         finally:
             remove(scratch)
         return grade
@@ -233,7 +235,7 @@ class Grader:
             mark_blocked(rows)
             grade.properties += rows
         child.read_hits()
-        grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden)]
+        _note_calls(grade, child)  # before the outcome is decided
         if child.stopped:
             grade.outcome, grade.detail = child.stopped.outcome, child.stopped.detail
         elif missing:
@@ -280,9 +282,15 @@ def calibrate(props, rubric: Rubric) -> dict[tuple[str, str], str]:
     return found
 
 
+def _note_calls(grade: Grade, child) -> None:
+    """The forbidden calls the child has reported so far (``child.forbidden``, read from its pipe, where it
+    cannot erase them), each once."""
+    noted = {hit["name"] for hit in grade.forbidden if hit["how"] == "called while grading"}
+    grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden - noted)]
+
+
 def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
-    outcome = loaded.get("outcome") if isinstance(loaded.get("outcome"), str) and loaded["outcome"] in OUTCOMES \
-        else "import-error"
+    outcome = loaded.get("outcome") if loaded.get("outcome") in OUTCOMES else "import-error"
     message = str(loaded.get("message", ""))[:2000]
     if outcome == "syntax-error":
         return outcome, f"{loaded.get('file') or sub.entry}, line {loaded.get('line')}: {message}"

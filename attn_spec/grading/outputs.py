@@ -132,7 +132,7 @@ def summary_markdown(grades, rubric) -> str:
              f"{md.inline(rubric.source)}", ""]
     if scores:
         lines.append(f"Scores (fraction of max): mean {statistics.mean(scores):.0%}, median {statistics.median(scores):.0%}, "
-                     f"full marks {sum(1 for g in grades if g.max_score and g.score >= g.max_score)} of {len(grades)}")
+                     f"full marks {sum(g.full_marks for g in grades)} of {len(grades)}")
     lines += ["", "## Outcomes", "", "| outcome | submissions |", "|---|---|"]
     lines += [f"| {outcome} | {n} |" for outcome, n in Counter(g.outcome for g in grades).most_common()]
     failing = Counter()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import socket
 import time
 
@@ -99,10 +100,7 @@ def check_record(record, devices) -> tuple[torch.dtype, list[int], list[int], in
     nbytes, device = record.get("nbytes"), record.get("device")
     if len(strides) != len(shape) or type(nbytes) is not int or nbytes < 0:
         raise ProtocolError("shape, strides and nbytes disagree")
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel > MAX_EXTENT:  # a stride-0 view of a few bytes may claim any shape
+    if math.prod(shape) > MAX_EXTENT:  # a stride-0 view of a few bytes may claim any shape
         raise ProtocolError(f"a tensor of shape {shape} has more than 2**40 elements")
     if nbytes != _span(shape, strides) * _ITEMSIZE[dtype]:
         raise ProtocolError(f"nbytes={nbytes} but shape {shape} with strides {strides} needs "
