@@ -38,21 +38,20 @@ def _compiled():
 
 
 def flex(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """FlexAttention, compiled: a bool mask [..., Tq or 1, Tk] and is_causal become a score_mod."""
+    """FlexAttention, compiled: a mask [..., Tq or 1, Tk] (bool, or SDPA's additive float) and is_causal become
+    a score_mod."""
     n_q, n_kv = query.shape[-2], key.shape[-2]
     mask = attn_mask
-    if mask is not None and mask.dtype != torch.bool:
-        raise NotImplementedError("this FlexAttention wrapper takes bool masks only")
     if mask is not None:
         mask = mask.expand(*query.shape[:-2], mask.shape[-2], n_kv)  # [B, H, Tq or 1, Tk]
 
     def score_mod(score, b, h, i, j):
-        keep = torch.ones_like(score, dtype=torch.bool)
         if mask is not None:
-            keep = keep & mask[b, h, i if mask.shape[-2] == n_q else 0, j]
+            m = mask[b, h, i if mask.shape[-2] == n_q else 0, j]
+            score = torch.where(m, score, -math.inf) if mask.dtype == torch.bool else score + m
         if is_causal:
-            keep = keep & (j <= i)
-        return torch.where(keep, score, -math.inf)
+            score = torch.where(j <= i, score, -math.inf)
+        return score
 
     plain = mask is None and not is_causal
     return _compiled()(query, key, value, score_mod=None if plain else score_mod, scale=scale, enable_gqa=enable_gqa)

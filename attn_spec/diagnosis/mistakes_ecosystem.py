@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec import reference
 from attn_spec.diagnosis.model import correct, masked, mistake, scale_of, softmax_keys
-
-
-def _fold(mask, keep):
-    """The caller's mask (bool, or an additive float) with the bool pattern ``keep`` [Tq, Tk] folded in."""
-    if mask is None:
-        return keep
-    return keep & mask if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+from attn_spec.diagnosis.predict import fold_causal
 
 
 def _windowed(mask, n_q, n_kv, window):
     """The caller's mask with a causal window of ``window`` keys folded in (top-left, as predict folds it)."""
-    return mask if window is None else _fold(mask, reference.causal_mask(n_q, n_kv, window=max(window, 1)))
+    return mask if window is None else fold_causal(mask, n_q, n_kv, max(window, 1))
 
 
 def _raw_scores(q, k, scale):
@@ -87,7 +80,7 @@ def _swap(t):
 def heads_sequence_transposed(q, k, v, mask, scale, is_causal):
     q_, k_, v_ = _swap(q), _swap(k), _swap(v)  # the kit's [..., H, S, D] as the kernel reads them
     if is_causal:  # a causal triangle over the heads (top-left, as SDPA's is_causal)
-        mask = _fold(mask, reference.causal_mask(q_.shape[-2], k_.shape[-2]))  # [H, H_kv]
+        mask = fold_causal(mask, q_.shape[-2], k_.shape[-2])  # [H, H_kv]
     out = correct(q_, k_, v_, mask, scale_of(q, scale)).transpose(-3, -2)  # [..., S, H, Dv] -> [..., H, S, Dv]
     return out if q.dim() > 2 else out[0]
 
