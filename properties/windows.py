@@ -15,6 +15,7 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget, max_error, softcap_budget
 from attn_spec.checking.assertions import fail
+from attn_spec.checking.probes import weights
 
 F64 = torch.float64
 
@@ -77,11 +78,10 @@ def sliding_window(target, case):
                   ("neither the window nor causality is applied", ref(torch.ones_like(pattern)))]
     cause = next((text for text, out in filter(None, candidates) if _near(got, out, allowed)),
                  "the window does not select the keys i - w < j <= i")
-    eye = torch.eye(case.n_kv, dtype=q.dtype, device=q.device).expand(*k.shape[:-1], case.n_kv)  # V = I: the weights
     fail(f"max error {err:.3g}", what=f"the output with a window of w = {w} keys against the float64 reference "
          f"(weights shown)", budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, window={w})",
-         cause=cause, got=target.attend(q, k, eye, mask, window=w),
-         expected_tensor=reference.attention(q, k, eye, mask, window=w)[0],
+         cause=cause, got=weights(target, q, k, mask, window=w),
+         expected_tensor=reference.attention(q, k, v, mask, window=w)[1],
          mask=allowed_keys.expand(got.shape[:-1] + (case.n_kv,)))  # hatches the keys outside the window
 
 
@@ -144,7 +144,6 @@ def softcap(target, case):
     cause = next((text for text, fn in candidates
                   if _near(got, _scores_attention(q, k, v, mask, fn), allowed)),
                  "the scores are not capped as cap * tanh(s / cap) before the mask")
-    eye = torch.eye(case.n_kv, dtype=q.dtype, device=q.device).expand(*k.shape[:-1], case.n_kv)  # V = I
     fail(f"max error {err:.3g}", what=f"the output with softcap = {cap:g} against the float64 reference (weights shown)",
          budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, softcap={cap:g})", cause=cause,
-         got=target.attend(q, k, eye, mask, softcap=cap), expected_tensor=reference.attention(q, k, eye, mask, softcap=cap)[0])
+         got=weights(target, q, k, mask, softcap=cap), expected_tensor=reference.attention(q, k, v, mask, softcap=cap)[1])

@@ -40,11 +40,12 @@ def sample_rows(n_q: int, count: int = 16) -> torch.Tensor:
     return torch.linspace(0, n_q - 1, min(n_q, count)).round().long().unique()
 
 
-def weights(target, q, k, mask=None) -> torch.Tensor:
-    """The attention weights [..., Tq, Tk] the target applies, read with V = identity."""
+def weights(target, q, k, mask=None, **options) -> torch.Tensor:
+    """The attention weights [..., Tq, Tk] the target applies, read with V = identity (``options``: attend's,
+    such as window or softcap)."""
     n_kv = k.shape[-2]
     eye = torch.eye(n_kv, dtype=q.dtype, device=q.device).expand(*k.shape[:-2], n_kv, n_kv)  # [..., Tk, Tk]
-    return target.attend(q, k, eye, mask)  # [..., Tq, Tk]
+    return target.attend(q, k, eye, mask, **options)  # [..., Tq, Tk]
 
 
 def row_sums(target, q, k, mask=None) -> torch.Tensor:
