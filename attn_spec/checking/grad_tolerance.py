@@ -83,13 +83,10 @@ def _chunked_reference_grads(q, k, v, mask, grad_out, *, scale, absolute):
     batch = chunked.batch_shape(q, k, v, mask)
     dq, dk, dv = (torch.zeros(*batch, *shape, dtype=F64, device=device)
                   for shape in (q.shape[-2:], k.shape[-2:], v.shape[-2:]))
-    last = None
     for index, rows, q_c, k64, v64, weights in chunked.blocks(q, k, v, mask, scale=scale):  # weights [c, Tk]
         g = chunked.element(grad_out, index)[rows].detach().to(device, F64)  # [c, Dv]
-        if absolute:
-            if index != last:  # each element's |K|, |V| once
-                k_abs, v_abs, last = k64.abs(), v64.abs(), index
-            q_c, k64, v64, g = q_c.abs(), k_abs, v_abs, g.abs()
+        if absolute:  # |K| and |V| cost Tk x D a chunk, against c x Tk x D for its products
+            q_c, k64, v64, g = q_c.abs(), k64.abs(), v64.abs(), g.abs()
         d_weights = g @ v64.T  # [c, Dv] x [Dv, Tk] -> [c, Tk]
         row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [c, 1]
         d_scores = weights * (d_weights + row if absolute else d_weights - row)  # [c, Tk]
