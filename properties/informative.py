@@ -131,13 +131,15 @@ def _verdict(changes, noisy: bool, call: str) -> dict | None:
 
     Entry by entry, where the reference moves by more than 4 (budget + 6 s.e.), a correct attention
     moves by more than budget + 6 s.e.; an input is ignored if the output moves by no more than that
-    on every such entry (and there is one). A deterministic target has s.e. 0: its output is compared
+    on every such entry (and there is one); an entry that stays NaN, or the same inf, has not moved (an output
+    of NaN whatever the inputs ignores them as a constant does). A deterministic target has s.e. 0: its output is compared
     as it is; a noisy one through its mean, which follows the inputs for dropout, not for random numbers."""
     ignored = []
     for name, (moved, se_moved), (base, se_base), ref_moved, ref, allowed in changes:
         slack = allowed + 6 * (se_moved.square() + se_base.square()).sqrt()  # [T, D]
         telling = (ref_moved - ref).abs() > 4 * slack  # entries where a correct attention must move
-        if telling.any() and bool(((moved - base).abs() <= slack)[telling].all()):
+        still = ((moved - base).abs() <= slack) | (moved == base) | (moved.isnan() & base.isnan())  # NaN stays NaN
+        if telling.any() and bool(still[telling].all()):
             ignored.append((name, moved, base, ref_moved, ref, slack[telling].max().item()))
     if not ignored:
         return None

@@ -6,7 +6,6 @@ import stat
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
 
@@ -49,14 +48,14 @@ def _inside(path: str, folder: str) -> bool:
 def _check_folders(args) -> str | None:
     """A reason the submissions or the output folder cannot be used, or None. Checked before the
     grading worker starts, so the usual mistakes (a wrong path, an empty folder) cost nothing."""
-    if not os.path.exists(args.submissions):
-        return f"no such file or folder: {args.submissions}"
-    folder = args.submissions if os.path.isdir(args.submissions) else None
-    if folder and not args.gradescope:
-        from attn_spec.grading.submissions import candidates  # light: no torch
+    from attn_spec.errors import KitUsageError
+    from attn_spec.grading.submissions import found_in  # light: no torch
 
-        if not candidates(Path(folder)):
-            return f"{folder} holds no submissions (one .py file or one folder per student)"
+    try:
+        found_in(args.submissions, single=args.gradescope)
+    except KitUsageError as exc:
+        return str(exc)
+    folder = args.submissions if os.path.isdir(args.submissions) else None
     if folder and _inside(args.out, folder):
         return f"--out {args.out} is inside the submissions folder; choose a folder outside it"
     if (folder and _inside(tempfile.gettempdir(), folder)) or _inside(tempfile.gettempdir(), args.out):

@@ -23,7 +23,8 @@ from attn_spec.grading.isolation.remote import RemoteTarget, Stopped, Zygote
 from attn_spec.grading.rubric import CONVENTIONS, Rubric
 from attn_spec.grading.submissions import Submission, prepare, remove, sandbox_ids
 from attn_spec.targets.module_adapters import SeedAdapter
-from attn_spec.checking.runner import mark_blocked, run_property
+from attn_spec.checking.runner import run_property
+from attn_spec.grading.roots import diagnose_rows
 from attn_spec.properties import select
 from attn_spec.checking.tolerance import naive_multihead, seed_attention
 
@@ -42,13 +43,15 @@ class PropertyGrade(PropertyResult):
 
     ``status`` is a :class:`PropertyResult`'s (pass, fail, skip, error) or one of the grader's: n/a,
     bad-output, not-run, missing, or the outcome that stopped grading during it. ``counts``: how the
-    row counts, "score" (in score and max_score), "bonus" (in score only), or "no" (n/a, or a failure
-    blocked by an earlier one when the rubric does not charge those)."""
+    row counts, "score" (in score and max_score), "bonus" (in score only), or "no" (n/a: nobody is graded
+    on it here). ``explained_by``: the mistake of the checked root that explains this failure (see
+    attn_spec.grading.roots); with ``blocked_by`` set, the failure is that root's symptom, not charged."""
 
     convention: str = ""
     points: float = 0.0
     max_points: float = 0.0
     counts: str = "score"
+    explained_by: str = ""
 
 
 @dataclass
@@ -68,10 +71,11 @@ class Grade:
     entry: str = ""
     feedback: str = ""
     feedback_file: str = ""  # its file under feedback/, one to one with the name (outputs.feedback_stem)
+    roots: list = field(default_factory=list)  # the checked roots, plain data: Diagnosis.to_dict() + convention
 
     @property
     def full_marks(self) -> bool:
-        return bool(self.max_score) and self.score >= self.max_score
+        return bool(self.max_score) and self.score - self.bonus >= self.max_score
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -212,7 +216,7 @@ class Grader:
         if loaded is None:
             return
         grade.found = loaded["found"]
-        missing = []
+        missing, targets = [], {}
         for conv in CONVENTIONS:
             section = self.rubric.conventions[conv]
             if conv not in grade.found:
@@ -223,7 +227,7 @@ class Grader:
                                    else f"{section.name} is not defined")
                     grade.properties += self._unrun(conv, "missing", missing[-1])
                 continue
-            target = RemoteTarget(child, conv, f"{sub.entry}:{section.name}")
+            target = targets[conv] = RemoteTarget(child, conv, f"{sub.entry}:{section.name}")
             rows = []
             for prop in (p for p in self.props if conv in p.conventions):
                 if (conv, prop.id) in self.not_applicable:
@@ -232,7 +236,6 @@ class Grader:
                     rows.append(self._row(prop, conv, "not-run", f"not run: {child.stopped.detail}"))
                 else:
                     rows.append(self._grade_property(prop, target, conv))
-            mark_blocked(rows)
             grade.properties += rows
         child.read_hits()
         _note_calls(grade, child)  # before the outcome is decided
@@ -245,6 +248,21 @@ class Grader:
         elif any(p.status == "bad-output" for p in grade.properties):
             grade.outcome = "bad-output"
             grade.detail = next(p.message for p in grade.properties if p.status == "bad-output")
+        self._diagnose(grade, child, targets)
+
+    def _diagnose(self, grade: Grade, child, targets: dict) -> None:
+        """The roots of each convention's failures (attn_spec.grading.roots), once the outcome is decided:
+        a diagnosis that times out or dies costs the student nothing but the diagnosis (each failure is
+        then charged on its own)."""
+        for conv, target in targets.items():
+            rows = [r for r in grade.properties if r.convention == conv]
+            if child.stopped or not any(r.status == "fail" for r in rows):
+                continue
+            try:
+                roots = diagnose_rows(child, target, conv, rows, self.rubric.dtypes, self.rubric.devices[0])
+            except Stopped:
+                return
+            grade.roots += [dict(d.to_dict(), convention=conv) for d in roots]
 
 
 class _SeedModule(reference.MultiHeadAttention):
@@ -303,19 +321,18 @@ def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
 
 
 def _score(grade: Grade, rubric: Rubric) -> None:
-    """Points for passed properties only (fail closed). Rows that do not count (n/a; a failure blocked
-    by an earlier one, unless the rubric charges those) are in neither score nor max_score; a bonus
-    convention's rows add to the score only. The forbidden penalty scales the total."""
+    """Points for passed properties, and for failures a checked root explains as its symptom (unless the
+    rubric charges those): so one bug costs its root's points once. Everything else earns nothing
+    (fail closed), a vacuous failure included. max_score is every counted row's points, pass or fail,
+    so it is the same for every student (n/a rows are n/a for everyone); a bonus convention's rows add
+    to the score only. The forbidden penalty scales the total."""
     for row in grade.properties:
-        row.points = row.max_points if row.status == "pass" else 0.0
+        symptom = row.status == "fail" and row.explained_by and row.blocked_by and not rubric.charge_blocked
+        row.points = row.max_points if row.status == "pass" or symptom else 0.0
         if row.status == "n/a":
-            row.max_points = 0.0
-        if row.status == "n/a" or (row.status == "fail" and row.blocked_by and not rubric.charge_blocked):
-            row.counts = "no"
-        elif rubric.conventions[row.convention].bonus:
-            row.counts = "bonus"
+            row.max_points, row.counts = 0.0, "no"
         else:
-            row.counts = "score"
+            row.counts = "bonus" if rubric.conventions[row.convention].bonus else "score"
     keep = 1.0 - rubric.penalty if grade.forbidden else 1.0
     base = sum(row.points for row in grade.properties if row.counts == "score")
     bonus = sum(row.points for row in grade.properties if row.counts == "bonus")

@@ -48,17 +48,25 @@ def candidates(root: Path) -> list[Path]:
                   and (p.is_dir() or p.suffix == ".py" and (p.is_file() or p.is_symlink())))
 
 
-def discover(path: str, rubric: Rubric, *, single: bool = False) -> list[Submission]:
-    """One submission per .py file or folder in ``path`` (or ``path`` itself when ``single``)."""
+def found_in(path: str, *, single: bool = False) -> list[Path]:
+    """The submissions' paths in ``path`` (``path`` itself when ``single`` or a file); a KitUsageError
+    says why there are none. Light (no torch): the command calls it before the grading worker starts."""
     root = Path(path)
     if not root.exists():
         raise KitUsageError(f"no such file or folder: {path}")
     if single or root.is_file():
         if root.is_file() and root.suffix != ".py":
             raise KitUsageError(f"{path} is not a .py file or a folder")
-        found = [root]
-    else:
-        found = candidates(root)
+        return [root]
+    found = candidates(root)
+    if not found:
+        raise KitUsageError(f"{path} holds no submissions (one .py file or one folder per student)")
+    return found
+
+
+def discover(path: str, rubric: Rubric, *, single: bool = False) -> list[Submission]:
+    """One submission per .py file or folder in ``path`` (or ``path`` itself when ``single``)."""
+    root, found = Path(path), found_in(path, single=single)
     subs, seen = [], {}
     for p in found:
         name = p.stem if p.suffix == ".py" and not p.is_dir() else p.name
@@ -71,8 +79,6 @@ def discover(path: str, rubric: Rubric, *, single: bool = False) -> list[Submiss
             continue
         entry, problem = (p.name, "") if p.is_file() else _entry(p, rubric)
         subs.append(Submission(name, p, entry, problem))
-    if not subs:
-        raise KitUsageError(f"{path} holds no submissions (one .py file or one folder per student)")
     return subs
 
 
@@ -143,21 +149,22 @@ def sandbox_ids(slots: int) -> list[tuple[int, int] | None]:
 # ---------------------------------------------------------------- scratch folders
 
 
-def _copy_file(src: str, dst: str, budget: list[int]) -> bool:
-    """Copy a regular file without following links, spending ``budget[0]`` bytes; False when it runs out."""
+def _copy_file(src: str, dst: str, budget: int) -> int:
+    """Copy a regular file without following links, spending bytes of ``budget``; the budget left
+    (negative when it ran out, and the copy stopped there)."""
     fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for something else since it was listed
-            return True
+            return budget
         with open(fd, "rb", closefd=False) as fin, open(dst, "xb") as fout:
             while chunk := fin.read(1 << 16):
-                budget[0] -= len(chunk)
-                if budget[0] < 0:
-                    return False
+                budget -= len(chunk)
+                if budget < 0:
+                    return budget
                 fout.write(chunk)
     finally:
         os.close(fd)
-    return True
+    return budget
 
 
 def prepare(sub: Submission, scratch: str, ids, limit_mb: float) -> str:
@@ -181,11 +188,11 @@ def prepare(sub: Submission, scratch: str, ids, limit_mb: float) -> str:
 
 
 def _copy(path: Path, scratch: str, limit_mb: float) -> str:
-    budget, count = [int(limit_mb * 2**20)], 0
+    budget, count = int(limit_mb * 2**20), 0
     too_big = (f"the submission is larger than {limit_mb:g} MB (all its files together) or holds more than "
                f"{MAX_FILES} files")
     if not path.is_dir():
-        return "" if _copy_file(str(path), os.path.join(scratch, path.name), budget) else too_big
+        return "" if _copy_file(str(path), os.path.join(scratch, path.name), budget) >= 0 else too_big
     for folder, dirs, files in os.walk(path):  # does not descend into links to folders
         rel = os.path.relpath(folder, path)
         dirs[:] = [d for d in dirs if d not in ("__pycache__", ".git")]
@@ -199,8 +206,10 @@ def _copy(path: Path, scratch: str, limit_mb: float) -> str:
                 os.symlink(os.readlink(src), dst)
             elif stat.S_ISDIR(mode):
                 os.mkdir(dst, 0o700)
-            elif stat.S_ISREG(mode) and not _copy_file(src, dst, budget):
-                return too_big
+            elif stat.S_ISREG(mode):
+                budget = _copy_file(src, dst, budget)
+                if budget < 0:
+                    return too_big
     return ""
 
 

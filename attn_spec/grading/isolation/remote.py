@@ -183,22 +183,24 @@ class Child:
             self._stop("timeout", f"{what} took longer than {f'{seconds:g} s' if seconds else limit}")
         except (wire.PeerClosed, ConnectionError):
             self._died(what)
-        except (wire.ProtocolError, ValueError, TypeError, RuntimeError, OverflowError) as exc:  # whatever it sent
+        except wire.ProtocolError as exc:  # whatever it sent (recv turns every undecodable frame into one)
             self._stop("bad-output", f"its reply to {what} was not valid data: {exc}"[:1000])
         finally:
             self.read_hits()
 
-    def request(self, header: dict, tensors: list, what: str) -> tuple[dict, list]:
+    def request(self, header: dict, tensors: list, what: str, seconds: float | None = None) -> tuple[dict, list]:
+        """Send a request, wait for its reply: at most ``seconds`` (default: the rubric's call_seconds)."""
         if self.stopped:
             raise self.stopped
+        seconds = seconds or self.limits["call_seconds"]
         try:
-            self.chan.send(header, tensors, min(self.deadline, time.monotonic() + self.limits["call_seconds"]))
+            self.chan.send(header, tensors, min(self.deadline, time.monotonic() + seconds))
         except TimeoutError:
             self._stop("timeout", f"{what}: it stopped reading its input")
         except (ConnectionError, OSError):
             self._died(what)
         size = sum(t.numel() * t.element_size() for t in tensors)
-        return self.receive(self.limits["call_seconds"], what, max_bytes=8 * size + (64 << 20))
+        return self.receive(seconds, what, max_bytes=8 * size + (64 << 20))
 
 
 class Zygote:
@@ -335,7 +337,8 @@ class RemoteTarget(Target):
         self._no_extra_arguments(scale, is_causal)
         self.calls += 1
         call = f"{self.name}({'Q, K, V, mask' if mask is not None else 'Q, K, V'})"
-        (out,) = self._remote("attend", [q, k, v, mask], 1, call)
+        (out,) = self._observe("attend", {"q": q, "k": k, "v": v, "mask": mask},
+                               lambda: self._remote("attend", [q, k, v, mask], 1, call), call)
         return check_output(out, attend_shape(q, k, v), call)
 
     def multihead(self, x_q, x_kv, weights, n_heads, mask=None):
@@ -346,13 +349,17 @@ class RemoteTarget(Target):
     def _multihead(self, x_q, x_kv, weights, n_heads, mask):
         self.calls += 1
         call = f"{self.name}({x_q.shape[-1]}, {n_heads}).forward(x_q, x_kv{', mask' if mask is not None else ''})"
-        (out,) = self._remote("multihead", [x_q, x_kv, dict(weights), n_heads, mask], 1, call)
+        inputs = {"x_q": x_q, "x_kv": x_kv, "weights": dict(weights), "n_heads": n_heads, "mask": mask}
+        (out,) = self._observe("multihead", inputs, lambda: self._remote("multihead", [x_q, x_kv, dict(weights), n_heads,
+                                                                                       mask], 1, call), call,
+                               state_key=(x_q.shape[-1], n_heads, x_q.dtype, str(x_q.device)))
         return check_output(out, (x_q.shape[0], x_q.shape[-1]), call)
 
     def vjp(self, q, k, v, mask, grad_out):
         self.calls += 1
         call = f"the gradient of {self.name}(Q, K, V{', mask' if mask is not None else ''})"
-        out, *grads = self._remote("vjp", [q, k, v, mask, grad_out], 4, call)
+        out, *grads = self._observe("vjp", {"q": q, "k": k, "v": v, "mask": mask, "grad_out": grad_out},
+                                    lambda: tuple(self._remote("vjp", [q, k, v, mask, grad_out], 4, call)), call)
         check_output(out, attend_shape(q, k, v), call)
         for grad, t, name in zip(grads, (q, k, v), "QKV"):
             if grad.shape != t.shape:
