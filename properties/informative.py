@@ -76,8 +76,11 @@ def _probe(target, case) -> dict | None:
 
 
 def _varies(first, again) -> bool:
-    """Two calls on the same inputs give different outputs (dropout, random numbers)."""
-    return not torch.equal(first.detach().cpu(), again.detach().cpu())
+    """Two calls on the same inputs give different outputs (dropout, random numbers); NaN matches NaN."""
+    a, b = first.detach().cpu(), again.detach().cpu()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return True
+    return not (torch.equal(a, b) or a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
 def _sampled(run, noisy: bool):

@@ -18,7 +18,8 @@ Examples:
 
 SUBMISSIONS holds one .py file or one folder per student; each defines attention(Q, K, V, mask=None)
 and may define a MultiHeadAttention class. Each submission runs in its own process, confined and
-time- and memory-limited (see docs/grading.md). DIR receives grades.csv, grades.json, summary.md and
+time- and memory-limited (see docs/grading.md). DIR receives grades.csv, grades.json, summary.md
+(with summary.json and summary.html: the class's mistakes) and
 feedback/<name>.md (and results.json with --gradescope, where SUBMISSIONS is one submission).
 
 Exit status: 0 graded (whatever the grades), 1 the grader failed on a submission, 2 usage error.
@@ -149,7 +150,7 @@ def run(args) -> int:
     full = sum(g.full_marks for g in grades)
     print(f"graded {len(grades)} submission(s) in {time.monotonic() - start:.1f}s: {full} with full marks; "
           + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items(), key=lambda kv: -kv[1])))
-    print(f"wrote grades.csv, grades.json, summary.md and feedback/ in {args.out}")
+    print(f"wrote grades.csv, grades.json, summary.md (.json, .html) and feedback/ in {args.out}")
     if counts.get(GRADER_ERROR):
         print(f"attn-spec: the grader failed on {counts[GRADER_ERROR]} submission(s); see their feedback", file=sys.stderr)
         return EXIT_FAIL

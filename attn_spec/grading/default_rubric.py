@@ -13,8 +13,9 @@ dtypes = ["float64", "float32", "float16", "bfloat16"]
 devices = ["cpu"]
 # A folder submission is imported from the first of these files it has (or its only .py file).
 entry = ["attention.py", "submission.py", "main.py", "__init__.py"]
-# A failure that an earlier property's failure explains ("blocked by" it) costs nothing beyond that
-# root's points: it is left out of score and max_score. true charges it as well.
+# A failure that a root's mistake explains (the grader replays it and the mistake model reproduces
+# its calls) is that root's symptom: it keeps its points, so one bug costs its root's points once.
+# true charges every failure.
 charge_blocked = false
 
 [limits]
@@ -40,7 +41,8 @@ penalty = 1.0                # fraction of the score removed when one is used: 1
 
 [function]                   # attention(Q, K, V, mask=None)
 name = "attention"
-# required: counts in max_score even when missing; when-defined: counts only when defined;
+# required: counts in max_score even when missing; when-defined: counts only when defined (so
+# max_score then differs between students who define it and those who do not);
 # bonus: its points add to the score, never to max_score (attempting it never lowers a grade).
 policy = "required"
 default_points = 1.0         # any property not listed below
@@ -56,10 +58,12 @@ matches-reference = 2
 [module]                     # class MultiHeadAttention(d_model, n_heads) in the seed's form
 name = "MultiHeadAttention"
 policy = "bonus"             # optional: graded when defined, its points on top of the function's
-default_points = 1.0
+# A small bonus: 2.3 points in all on a CPU machine (about a tenth of the function's 21), so a
+# perfect module never outweighs a bug in the function.
+default_points = 0.1
 
 [module.points]
-head-concat-equivalence = 3
-scale-sqrt-dk = 2
-matches-reference = 2
+head-concat-equivalence = 0.5
+scale-sqrt-dk = 0.2
+matches-reference = 0.3
 """

@@ -1,4 +1,4 @@
-"""What the grader writes: grades.csv, grades.json, feedback/<name>.md, summary.md, results.json.
+"""What the grader writes: grades.csv, grades.json, feedback/<name>.md, summary.md/.json/.html, results.json.
 
 Everything a submission produced (its messages, tracebacks, printed output, file name) is text
 from outside: in markdown it is escaped or fenced (:mod:`attn_spec.report.markdown`), so it adds no
@@ -17,11 +17,11 @@ import math
 import os
 import re
 import secrets
-import statistics
 from collections import Counter
 
 import torch
 
+from attn_spec.grading.summary import class_view, summary_html, summary_json, summary_markdown
 from attn_spec.report import markdown as md
 from attn_spec.report.text import failure_section
 from attn_spec.version import __version__
@@ -49,13 +49,22 @@ POLICY_TEXT = {
     "bonus": ("Optional, a bonus: its points add to your score and never to the maximum, so attempting it "
               "can only raise your grade."),
 }
-BLOCKED_NOTE = ("A failure marked *blocked by* another is most likely a consequence of that one: it costs "
-                "nothing beyond that property's points. Fix the first one and the others may pass too.")
+SYMPTOM_NOTE = ("A failure marked *symptom of root N* is explained by that root's mistake: the grader replayed it "
+                "and the mistake reproduces every call. It keeps its points, so the bug costs the root's points "
+                "once. Fix the root and its symptoms go with it.")
 
 
-def _status(row) -> str:
+def _roots(grade, conv: str) -> list[dict]:
+    return [d for d in grade.roots if d.get("convention") == conv]
+
+
+def _status(row, roots: list[dict]) -> str:
     text = STATUS_TEXT.get(row.status, f"✗ {row.status}")
-    return f"{text} (blocked by {row.blocked_by})" if row.blocked_by else text
+    index = next((i for i, d in enumerate(roots, 1) if row.id in d["explains"]), None)
+    if index is not None:
+        return f"{text} (root {index}: {roots[index - 1]['mistake']})" if row.id == roots[index - 1]["root"] else \
+            f"{text} (symptom of root {index})"
+    return f"{text} (vacuous: the output ignores its inputs)" if row.vacuous and row.status == "fail" else text
 
 
 def _points(x: float) -> str:
@@ -65,19 +74,32 @@ def _points(x: float) -> str:
 def _row_points(row) -> str:
     if row.status == "n/a":
         return "n/a"
-    if row.counts == "no":
-        return f"not counted (of {_points(row.max_points)})"
-    return f"{_points(row.points)} / {_points(row.max_points)}" + (" bonus" if row.counts == "bonus" else "")
+    kept = " (not charged)" if row.status == "fail" and row.points else ""
+    return f"{_points(row.points)} / {_points(row.max_points)}" + (" bonus" if row.counts == "bonus" else "") + kept
 
 
-def _failure(row, charge_blocked: bool) -> list[str]:
+def _failure(row) -> list[str]:
     """One failed row for the student: the report's failure section, with their traceback."""
-    if row.blocked_by:  # a consequence, not a cascade of separate failures
-        cost = "" if charge_blocked else " It is not counted in your score."
-        return [f"### ✗ {row.id}: {row.statement}" if row.statement else f"### ✗ {row.id}",
-                f"- what happened: {md.text(row.message)}",
-                f"- blocked by **{row.blocked_by}**: fix that one first; it probably explains this failure too.{cost}", ""]
     return [failure_section(row, markdown=True, traceback=True, untrusted=True), ""]
+
+
+def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:
+    """One root, as ``attn-spec check`` shows it: the named mistake, its fix and evidence, what it explains,
+    the failure that shows it (counterexample and reproduce snippet) and the lesson. Its text is the
+    kit's own (attn_spec.grading.roots builds it from the catalog), never the submission's."""
+    lines = [f"### Root {index} of {total}: {d['sentence']} [{d['mistake']}]", "",
+             f"- fix: {d['fix']}", f"- evidence: {d['evidence']}",
+             f"- explains: {', '.join(d['explains'])}",
+             f"- the lesson: `attn-spec explain {d['mistake']}`", ""]
+    shown = rows.get(d["root"])
+    if shown is not None:
+        lines += _failure(shown)
+    others = [rows[p] for p in d["explains"] if p != d["root"] and p in rows]
+    if others:
+        lines += ["Also failing because of this root (not charged):", ""]
+        lines += [f"- {p.id}: {md.inline((p.message.strip().splitlines() or [''])[0], limit=160)}" for p in others]
+        lines.append("")
+    return lines
 
 
 def _score_line(grade) -> str:
@@ -103,56 +125,25 @@ def feedback_markdown(grade, rubric) -> str:
                 lines += ["", title, "", f"Not defined, so not graded. {POLICY_TEXT['bonus']}"]
             continue
         lines += ["", title, ""] + ([POLICY_TEXT[section.policy], ""] if conv != "function" else [])
+        roots, by_id = _roots(grade, conv), {r.id: r for r in rows}
         lines += ["| property | result | points |", "|---|---|---|"]
-        lines += [f"| {r.id} | {_status(r)} | {_row_points(r)} |" for r in rows]
-        if any(r.blocked_by for r in rows) and not rubric.charge_blocked:
-            lines += ["", BLOCKED_NOTE]
-        failed = [r for r in rows if r.status not in ("pass", "n/a", "not-run", "missing") and r.max_points]
-        if failed:
+        lines += [f"| {r.id} | {_status(r, roots)} | {_row_points(r)} |" for r in rows]
+        if any(r.blocked_by and r.explained_by for r in rows) and not rubric.charge_blocked:
+            lines += ["", SYMPTOM_NOTE]
+        explained = {p for d in roots for p in d["explains"]}
+        failed = [r for r in rows if r.status not in ("pass", "n/a", "not-run", "missing") and r.max_points
+                  and r.id not in explained]
+        if roots or failed:
             lines += ["", "## What to fix" if conv == "function" else f"## What to fix in {section.name}", ""]
+            for i, d in enumerate(roots, 1):
+                lines += root_markdown(d, i, len(roots), by_id)
+            if roots and failed:
+                lines += ["### Other failures (no mistake model explains them)", ""]
             for row in failed:
-                lines += _failure(row, rubric.charge_blocked)
+                lines += _failure(row)
     if grade.output.strip():
         lines += ["", "## What your code printed", "", md.fence(grade.output)]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _diagnosis(row) -> str:
-    """What the summary says a failure shows: a root failure's own diagnosis; for a blocked one, its root."""
-    if row.blocked_by:
-        return f"blocked by {row.blocked_by}"
-    return row.cause or (row.message.strip().splitlines() or [""])[0]
-
-
-def summary_markdown(grades, rubric) -> str:
-    """The class summary: outcomes, score statistics, and the properties most students fail."""
-    scores = [g.score / g.max_score for g in grades if g.max_score]
-    lines = ["# Class summary", "",
-             f"{len(grades)} submissions · profile {rubric.profile} · seed {rubric.seed} · rubric: "
-             f"{md.inline(rubric.source)}", ""]
-    if scores:
-        lines.append(f"Scores (fraction of max): mean {statistics.mean(scores):.0%}, median {statistics.median(scores):.0%}, "
-                     f"full marks {sum(g.full_marks for g in grades)} of {len(grades)}")
-    lines += ["", "## Outcomes", "", "| outcome | submissions |", "|---|---|"]
-    lines += [f"| {outcome} | {n} |" for outcome, n in Counter(g.outcome for g in grades).most_common()]
-    failing = Counter()
-    causes: dict[tuple, Counter] = {}
-    for g in grades:
-        for r in g.properties:
-            if r.status not in ("pass", "n/a") and r.max_points:
-                key = (r.id, r.convention)
-                failing[key] += 1
-                causes.setdefault(key, Counter())[_diagnosis(r)] += 1
-    if failing:
-        lines += ["", "## Properties most students fail", "", "| property | convention | failed by | most common diagnosis |",
-                  "|---|---|---|---|"]
-        for (pid, conv), n in failing.most_common():
-            cause = md.inline(causes[(pid, conv)].most_common(1)[0][0], limit=160)
-            lines.append(f"| {pid} | {conv} | {n} of {len(grades)} | {cause} |")
-    lines += ["", "## Submissions", "", "| name | score | outcome | feedback |", "|---|---|---|---|"]
-    lines += [f"| {md.inline(g.name)} | {_points(g.score)} / {_points(g.max_score)} | {g.outcome} | "
-              f"{md.inline(g.feedback_file)} |" for g in grades]
-    return "\n".join(lines) + "\n"
 
 
 def _cell(text: str) -> str:
@@ -163,13 +154,12 @@ def _cell(text: str) -> str:
 def _csv_points(row) -> str:
     if row.status == "n/a":
         return "n/a"
-    return "blocked" if row.counts == "no" else _points(row.points)
+    return _points(row.points)
 
 
 def grades_csv(grades) -> str:
     """One row per submission: name, score, max_score, outcome, the points per convention:property
-    ("n/a" where it does not apply, "blocked" where a blocked failure is not counted, empty where the
-    convention was not graded), and the feedback file."""
+    ("n/a" where it does not apply, empty where the convention was not graded), and the feedback file."""
     columns = list(dict.fromkeys(f"{r.convention}:{r.id}" for g in grades for r in g.properties))
     buf = io.StringIO()
     writer = csv.writer(buf)
@@ -213,9 +203,11 @@ def gradescope_json(grade, rubric) -> str:
     for row in grade.properties:
         if row.status == "n/a":
             continue
-        text = "\n".join(_failure(row, rubric.charge_blocked)) if row.status != "pass" else f"{row.id}: {row.statement}"
+        text = "\n".join(_failure(row)) if row.status != "pass" else f"{row.id}: {row.statement}"
+        if row.explained_by:
+            text = f"explained by the mistake {row.explained_by} (attn-spec explain {row.explained_by})\n\n" + text
         tests.append({"name": f"{rubric.conventions[row.convention].name}: {row.id}", "score": row.points,
-                      "max_score": 0.0 if row.counts == "no" else row.max_points,
+                      "max_score": 0.0 if row.counts != "score" else row.max_points,  # they add up to max_score
                       "status": "passed" if row.status == "pass" else "failed",
                       "output": text, "output_format": "md", "visibility": "visible",
                       "tags": [row.convention, row.status] + (["bonus"] if row.counts == "bonus" else [])})
@@ -269,6 +261,12 @@ def open_folder(path: str, parent_fd: int | None = None) -> int:
     return fd
 
 
+def summary_files(view: dict) -> dict[str, str]:
+    """summary.md, summary.json and summary.html: the instructor's view (attn_spec.grading.summary)."""
+    return {"summary.md": summary_markdown(view), "summary.json": summary_json(_jsonable(view)),
+            "summary.html": summary_html(view)}
+
+
 def write_outputs(out: str, grades, rubric, *, gradescope: bool = False) -> list[str]:
     """Write every output file into ``out`` (checked and made 0700 by the command); returns their paths."""
     for g in grades:
@@ -287,7 +285,7 @@ def write_outputs(out: str, grades, rubric, *, gradescope: bool = False) -> list
         finally:
             os.close(feedback_fd)
         files = {"grades.csv": grades_csv(grades), "grades.json": grades_json(grades, rubric),
-                 "summary.md": summary_markdown(grades, rubric)}
+                 **summary_files(class_view(grades, rubric))}
         if gradescope:
             files["results.json"] = gradescope_json(grades[0], rubric)
         for name, text in files.items():
