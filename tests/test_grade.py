@@ -97,17 +97,40 @@ def test_the_optional_module_is_a_bonus_that_never_lowers_a_grade(graded):
     assert "Optional, a bonus" in (graded["out"] / "feedback" / "correct_seed.md").read_text()  # shown when absent
 
 
-def test_a_blocked_failure_costs_nothing_beyond_its_root(graded):
-    """One wrong scale costs scale-sqrt-dk's points; what it blocks is left out of score and max_score."""
-    sub, correct = graded["by"]["buggy_no_scale"], graded["by"]["correct_seed"]
-    rows = {p["id"]: p for p in sub["properties"] if p["convention"] == "function"}
-    blocked = [p for p in rows.values() if p["blocked_by"]]
-    assert rows["scale-sqrt-dk"]["status"] == "fail" and not rows["scale-sqrt-dk"]["blocked_by"]
-    assert blocked and all(p["counts"] == "no" and p["status"] == "fail" for p in blocked)
-    assert sub["max_score"] == correct["max_score"] - sum(p["max_points"] for p in blocked)
-    assert sub["score"] == sub["max_score"] - rows["scale-sqrt-dk"]["max_points"]
-    feedback = (graded["out"] / "feedback" / "buggy_no_scale.md").read_text()
-    assert "It is not counted in your score." in feedback and "costs nothing beyond" in feedback
+@pytest.mark.parametrize("name, conv, mistake", [
+    ("buggy_no_scale", "function", "scale-missing"),
+    ("buggy_softmax_dim", "function", "softmax-over-queries"),
+    ("buggy_in_place", "function", "queries-scaled-in-place"),
+    ("buggy_heads_view", "module", "heads-split-without-transpose"),
+])
+def test_one_bug_is_one_named_root_and_costs_its_points_once(graded, name, conv, mistake):
+    """Issue 26: each single-bug submission of the class gets one root, naming its bug, which explains every
+    failure; it loses exactly the root's points, and its maximum is everyone's."""
+    sub, correct = graded["by"][name], graded["by"]["correct_seed"]
+    assert [(d["convention"], d["mistake"]) for d in sub["roots"]] == [(conv, mistake)]
+    root = sub["roots"][0]
+    rows = {p["id"]: p for p in sub["properties"] if p["convention"] == conv}
+    failed = [p["id"] for p in rows.values() if p["status"] != "pass" and p["status"] != "n/a"]
+    assert failed and sorted(root["explains"]) == sorted(failed)
+    assert all(rows[p]["explained_by"] == mistake for p in failed)
+    assert all(rows[p]["blocked_by"] == root["root"] and rows[p]["points"] == rows[p]["max_points"]
+               for p in failed if p != root["root"])  # a symptom keeps its points
+    lost = rows[root["root"]]["max_points"]
+    assert sub["max_score"] == correct["max_score"]
+    full = correct["max_score"] if conv == "function" else sum(p["max_points"] for p in rows.values())
+    assert (sub["score"] if conv == "function" else sub["bonus"]) == full - lost
+    feedback = (graded["out"] / "feedback" / f"{name}.md").read_text()
+    for words in (f"### Root 1 of 1: {root['sentence']} [{mistake}]", f"- fix: {root['fix']}", "- evidence: reproduces",
+                  "- explains: ", f"`attn-spec explain {mistake}`", "attn_spec.reproduce(", "counterexample"):
+        assert words in feedback, words
+
+
+def test_a_nan_output_earns_nothing(graded):
+    """NaN whatever the inputs ignores them: determinism, inputs-unchanged and dtype-device are vacuous too."""
+    sub = graded["by"]["returns_nan"]
+    rows = {p["id"]: p for p in sub["properties"]}
+    assert sub["score"] == 0 and sub["max_score"] == graded["by"]["correct_seed"]["max_score"]
+    assert all(rows[p]["vacuous"] and rows[p]["points"] == 0 for p in ("determinism", "inputs-unchanged", "dtype-device"))
 
 
 @pytest.mark.parametrize("name, failing, passing", [
@@ -130,14 +153,13 @@ def test_wrong_attention_loses_the_properties_it_breaks(graded, name, failing, p
 
 @pytest.mark.parametrize("name", ["patches_kit", "returns_constant", "returns_values"])  # zeros (in its own process), 0.5, V
 def test_an_output_that_ignores_its_inputs_scores_at_most_a_tenth(graded, name):
-    """Issue 14: trivial submissions score at most 10% under the default rubric, of their own max_score
-    (blocked failures left out) and of a correct submission's."""
+    """Issue 14: trivial submissions score at most 10% under the default rubric (of the one max_score)."""
     sub, full = graded["by"][name], graded["by"]["correct_seed"]["max_score"]
     assert sub["outcome"] == "graded" and sub["max_score"] > 0
     assert sub["score"] <= 0.1 * min(sub["max_score"], full), [p["id"] for p in sub["properties"] if p["points"]]
     assert not _points(sub, status="pass", convention="function")
-    blocked = [p for p in sub["properties"] if p["vacuous"]]
-    assert blocked and all(p["blocked_by"] == "matches-reference" and p["counts"] == "no" for p in blocked)
+    vacuous = [p for p in sub["properties"] if p["vacuous"]]
+    assert vacuous and all(p["points"] == 0 and p["counts"] == "score" for p in vacuous)  # charged: no credit
 
 
 @pytest.mark.parametrize("name, outcome, words", [
@@ -262,9 +284,17 @@ def test_csv_summary_and_feedback_files(graded):
     not_applicable = [p for p in graded["by"]["correct_seed"]["properties"] if p["status"] == "n/a"]
     assert not_applicable and all(seed[f"function:{p['id']}"] == "n/a" for p in not_applicable)  # n/a is not 0
     assert seed["module:head-concat-equivalence"] == ""  # no module: not graded at all
-    assert no_scale["function:matches-reference"] == "blocked" and seed["feedback"] == "correct_seed.md"
+    assert no_scale["function:matches-reference"] == "2" and seed["feedback"] == "correct_seed.md"  # a symptom
     summary = (out / "summary.md").read_text()
-    assert "## Properties most students fail" in summary and "| matches-reference | function |" in summary
+    assert "## The class's mistakes" in summary and "| scale-missing | function | 2 of " in summary
+    assert "`attn-spec explain scale-missing`" in summary and "## Failures no mistake explains" in summary
+    view = json.loads((out / "summary.json").read_text())
+    scale = next(m for m in view["mistakes"] if m["mistake"] == "scale-missing")
+    assert set(scale["students"]) == {"buggy_no_scale", "buggy_no_scale_again"}
+    loaded = {s["name"] for s in graded["grades"]["submissions"] if s["outcome"] in ("syntax-error", "import-error")}
+    assert loaded and not any(loaded & set(u["students"]) for u in view["unexplained"])  # load failures left out
+    page = (out / "summary.html").read_text()
+    assert "Who made which mistake" in page and "buggy_no_scale" in page
     feedback = (out / "feedback" / "buggy_no_scale.md").read_text()
     for words in ("Score:", "scale-sqrt-dk", "likely cause", "counterexample", "attn_spec.reproduce("):
         assert words in feedback
@@ -284,6 +314,7 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded
         assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
         assert test["visibility"] == "visible" and test["score"] <= test["max_score"]
     assert results["score"] == sum(t["score"] for t in results["tests"])
+    assert results["extra_data"]["max_score"] == sum(t["max_score"] for t in results["tests"])  # the same percentage
     assert results["score"] == graded["by"]["buggy_no_scale"]["score"]  # graded alone (--jobs 1) or by a judge
 
 

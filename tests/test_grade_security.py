@@ -225,6 +225,18 @@ def test_forged_diagnoses_cannot_add_rows_or_html_to_a_report(attacked):
         assert "\n| a_b | 0 / 21 |" not in text
 
 
+def test_a_forged_diagnosis_explains_nothing(attacked):
+    """Issue 26: roots come from the child, where the submission can replace the diagnosis; the grader keeps
+    a root only where its own replay through the wire is reproduced by that mistake. The forged claim (every
+    failure a symptom of a missing scale) and the unknown or ill-typed ones are dropped: each failure is
+    charged, as softmax over the queries with no diagnosis at all."""
+    sub = attacked["by"]["forges_roots"]
+    assert sub["outcome"] == "graded" and sub["roots"] == []
+    failed = [p for p in sub["properties"] if p["status"] == "fail"]
+    assert failed and all(p["points"] == 0 and not p["explained_by"] and not p["blocked_by"] for p in failed)
+    assert sub["score"] == sum(p["max_points"] for p in sub["properties"] if p["status"] == "pass")
+
+
 def test_names_that_read_alike_get_their_own_feedback_files(attacked):
     """9: one feedback file per name, chosen from the name alone, and the mapping in grades.csv."""
     spaced, underscored = attacked["by"]["a b"], attacked["by"]["a_b"]

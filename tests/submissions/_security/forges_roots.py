@@ -1,0 +1,28 @@
+"""Softmax over the queries, and a forged diagnosis: every failure claimed as the symptom of one root
+(a missing scale, which would leave it nearly full marks), sent in place of the kit's own."""
+import math
+import sys
+
+import torch
+
+sandbox = sys.modules["attn_spec.grading.isolation.sandbox"]
+
+
+def _forged(chan, header, targets):
+    failures = [f["id"] for f in header["failures"]]
+    chan.send({"roots": [{"root": failures[0], "mistake": "scale-missing", "params": {}, "explains": failures,
+                          "guess": False},
+                         {"root": failures[0], "mistake": "no-such-mistake", "params": {}, "explains": failures,
+                          "guess": False},
+                         {"root": failures[0], "mistake": "scale-one-over-dk", "params": {"factor": "0"},
+                          "explains": failures, "guess": False}]})
+
+
+sandbox._diagnose = _forged
+
+
+def attention(Q, K, V, mask=None):
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-2) @ V
