@@ -118,7 +118,7 @@ def test_one_bug_is_one_named_root_and_costs_its_points_once(graded, name, conv,
     lost = rows[root["root"]]["max_points"]
     assert sub["max_score"] == correct["max_score"]
     full = correct["max_score"] if conv == "function" else sum(p["max_points"] for p in rows.values())
-    assert (sub["score"] if conv == "function" else sub["bonus"]) == full - lost
+    assert (sub["score"] if conv == "function" else sub["bonus"]) == pytest.approx(full - lost)
     feedback = (graded["out"] / "feedback" / f"{name}.md").read_text()
     for words in (f"### Root 1 of 1: {root['sentence']} [{mistake}]", f"- fix: {root['fix']}", "- evidence: reproduces",
                   "- explains: ", f"`attn-spec explain {mistake}`", "attn_spec.reproduce(", "counterexample"):
