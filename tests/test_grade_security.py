@@ -223,6 +223,7 @@ def test_forged_diagnoses_cannot_add_rows_or_html_to_a_report(attacked):
         assert not re.search(r"(?<!\\)<(script|img)", text)
         assert not re.search(r"(?<!\\)\[click\]", text)
         assert "\n| a_b | 0 / 21 |" not in text
+    assert not re.search(r"<(script|img)", attacked["texts"]["summary.html"])  # escaped there too
 
 
 def test_a_forged_diagnosis_explains_nothing(attacked):

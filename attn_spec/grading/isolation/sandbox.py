@@ -29,7 +29,7 @@ import torch
 from attn_spec.targets.conventions import FunctionTarget, ModuleTarget
 from attn_spec.targets.module_adapters import SeedAdapter
 from attn_spec.errors import Failure, KitSignal, TargetRaised, Unsupported
-from attn_spec.grading.isolation import wire
+from attn_spec.grading.isolation import diagnosis, wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
 from attn_spec.targets.loading import user_traceback
@@ -339,41 +339,6 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> N
                    "inputs": [None] * len(tensors)})
 
 
-def _diagnose(chan: wire.Channel, header: dict, targets: dict) -> None:
-    """Replay the failures the grader names on their minimal cases and fit the mistake models to the calls
-    (:func:`attn_spec.diagnosis.run.diagnose`, as ``attn-spec check`` does), here, next to the submission;
-    the roots go back as plain data. The submission can change this code too: the grader re-checks
-    every root it uses (attn_spec.grading.roots) and takes no word of it as said."""
-    from types import SimpleNamespace
-
-    from attn_spec.checking.catalog import REGISTRY
-    from attn_spec.diagnosis.run import diagnose
-    from attn_spec.targets.capabilities import supports
-
-    quiet = os.open(os.devnull, os.O_WRONLY)  # the kit's own calls to the reference would fill the report pipe
-    hits, _HITS[0] = _HITS[0], quiet  # (the grader disregards what is reported meanwhile: its replays are checked)
-    try:
-        target = targets[header["convention"]]
-        supports(target, tuple(header["dtypes"]), header["device"])  # as the grader's target was probed: so the
-        # replays make the calls they made there, not the probe's
-        results = [SimpleNamespace(id=f["id"], status="fail", vacuous=bool(f.get("vacuous")), case=None,
-                                   counterexample={"case": f["case"]}) for f in header["failures"]]
-        roots = [{"root": d.root, "mistake": d.mistake, "params": d.params, "explains": list(d.explains),
-                  "guess": d.guess} for d in diagnose(target, results, REGISTRY)]
-        reply = {"roots": roots}
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are re-raised
-        if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):
-            raise
-        reply = {"roots": [], "error": f"{type(exc).__name__}"}
-    finally:
-        _HITS[0] = hits
-        os.close(quiet)
-    try:
-        chan.send(reply)
-    except (wire.ProtocolError, TypeError, ValueError):  # params the JSON header cannot hold
-        chan.send({"roots": [], "error": "the roots are not plain data"})
-
-
 def _read_entry(config: dict) -> dict:
     """{"source": bytes}, or why the entry file cannot be graded (read with the sandbox user's rights)."""
     entry, limit = config["entry"], int(config["limits"]["source_kb"] * 1024)
@@ -409,7 +374,7 @@ def serve(chan_fd: int, out_fd: int, hits_fd: int, config: dict) -> None:
     while True:
         header, tensors = chan.recv(devices=config["devices"])
         if header.get("op") == "diagnose":
-            _diagnose(chan, header, targets)
+            diagnosis.answer(chan, header, targets, _HITS)
         else:
             _answer(chan, header, tensors, targets)
 

@@ -210,8 +210,7 @@ def _reap(*_) -> None:
 
 def main(fd: int) -> None:
     from attn_spec.grading.isolation import sandbox, wire  # noqa: F401 - loaded once, used by every child
-    import attn_spec.properties  # noqa: F401 - the catalog and the diagnosis, for a child's diagnose requests
-    from attn_spec.diagnosis import run  # noqa: F401
+    import attn_spec.properties  # noqa: F401 - the catalog, for a child's diagnosis (isolation/diagnosis.py)
 
     preload()
     sock = socket.socket(fileno=fd)
