@@ -197,3 +197,4 @@ def test_a_claimed_root_is_kept_only_where_the_graders_replay_reproduces_it():
     assert roots._checked(dict(claim("scale-missing"), guess=True), rows, cases, target, set(), order) is None
     assert roots._checked(claim("no-such-mistake"), rows, cases, target, set(), order) is None
     assert roots._checked(claim("scale-missing"), rows, cases, target, set(order), order) is None  # already taken
+    assert roots._checked(claim("scale-missing"), rows, cases, target, set(), order, [0]) is None  # no replay left

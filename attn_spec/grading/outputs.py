@@ -210,7 +210,8 @@ def gradescope_json(grade, rubric) -> str:
                       "max_score": 0.0 if row.counts != "score" else row.max_points,  # they add up to max_score
                       "status": "passed" if row.status == "pass" else "failed",
                       "output": text, "output_format": "md", "visibility": "visible",
-                      "tags": [row.convention, row.status] + (["bonus"] if row.counts == "bonus" else [])})
+                      "tags": [row.convention, row.status] + (["bonus"] if row.counts == "bonus" else [])
+                      + (["symptom"] if row.status == "fail" and row.points else [])})
     head = f"**{grade.outcome}**: {OUTCOME_TEXT.get(grade.outcome, '')}"
     detail = md.text(grade.detail) if grade.detail else ""
     data = {"score": grade.score, "execution_time": grade.seconds, "output": head + (f"\n\n{detail}" if detail else ""),

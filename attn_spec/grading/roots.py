@@ -54,8 +54,9 @@ def diagnose_rows(child, target, conv: str, rows, dtypes, device: str) -> list[D
     claims = reply.get("roots") if isinstance(reply.get("roots"), list) else []
     roots, taken = [], set()
     order = [r.id for r in rows]
+    replays = [2 * len(failing)]  # re-checks allowed: a reply full of false claims cannot make the grader loop
     for claim in claims[:MAX_ROOTS]:
-        root = _checked(claim, failing, cases, target, taken, order)
+        root = _checked(claim, failing, cases, target, taken, order, replays)
         if root is not None:
             roots.append(root)
             taken |= set(root.explains)
@@ -67,7 +68,7 @@ def diagnose_rows(child, target, conv: str, rows, dtypes, device: str) -> list[D
     return roots
 
 
-def _checked(claim, failing: dict, cases: dict, target, taken: set, order: list) -> Diagnosis | None:
+def _checked(claim, failing: dict, cases: dict, target, taken: set, order: list, replays=None) -> Diagnosis | None:
     """The root ``claim`` names, as the grader's own Diagnosis, on the failures it reproduces; or None."""
     if not isinstance(claim, dict) or claim.get("guess") is not False:
         return None
@@ -80,7 +81,11 @@ def _checked(claim, failing: dict, cases: dict, target, taken: set, order: list)
               if p in failing and p not in taken and not failing[p].vacuous and cases.get(p) is not None]
     model = replace(m, params=(params,)) if m.params else m  # exactly the parameters claimed
     shown, calls = [], 0
+    replays = [len(wanted)] if replays is None else replays
     for pid in sorted(wanted, key=order.index):
+        if replays[0] <= 0:
+            break
+        replays[0] -= 1
         reproduced = _reproduces(model, pid, target, cases[pid])
         if reproduced:
             shown.append(pid)
