@@ -9,13 +9,16 @@ Prints one line per class (wall time, the target, met or not) and, for the singl
 every student got exactly one named root. Diagnosis runs only where something failed, so the correct
 class measures what it costs a passing class (nothing beyond the check of `failing`), the buggy one
 what the child's search and the grader's re-check cost. Wall-clock figures on a machine shared with
-other work are upper bounds: the load average is printed with them.
+other work are upper bounds: the load average is printed with them, and the CPU seconds the whole
+run used (grader, judges, zygote and submissions), which other work does not inflate as much; divided
+by --jobs they bound the wall time on idle cores from below.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,14 +43,21 @@ def make_class(folder: Path, files: list[str], n: int) -> dict[str, str]:
     return chosen
 
 
-def grade(folder: Path, out: Path, jobs: int) -> float:
-    start = time.monotonic()
+def _cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def grade(folder: Path, out: Path, jobs: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run: the CPU time of the grader, its judges, the zygote and every
+    submission's process (each reaped by its parent, so it adds up here)."""
+    start, cpu = time.monotonic(), _cpu()
     done = subprocess.run([sys.executable, "-m", "attn_spec", "grade", str(folder), "--out", str(out),
                            "--jobs", str(jobs)], capture_output=True, text=True)
     wall = time.monotonic() - start
     if done.returncode != 0:
         raise SystemExit(f"attn-spec grade failed:\n{done.stderr[-3000:]}")
-    return wall
+    return wall, _cpu() - cpu
 
 
 def main() -> int:
@@ -62,13 +72,14 @@ def main() -> int:
         for kind, files in (("correct", CORRECT), ("single-bug", list(BUGGY))):
             chosen = make_class(tmp / kind, files, args.n)
             load = os.getloadavg()[0]
-            wall = grade(tmp / kind, tmp / f"{kind}-out", args.jobs)
+            wall, cpu = grade(tmp / kind, tmp / f"{kind}-out", args.jobs)
             graded = {s["name"]: s for s in json.loads((tmp / f"{kind}-out" / "grades.json").read_text())["submissions"]}
             met = wall < TARGETS[kind]
             ok &= met
             line = (f"grade {args.n} {kind} submissions, --jobs {args.jobs}: {wall:.1f} s "
                     f"(target < {TARGETS[kind]:g} s: {'met' if met else 'NOT met'}; load average {load:.1f} at start, "
-                    f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores)")
+                    f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores); {cpu:.1f} CPU seconds in all, "
+                    f"so {cpu / args.jobs:.1f} s on {args.jobs} idle cores at best")
             if kind == "correct":
                 full = sum(s["score"] - s["bonus"] >= s["max_score"] > 0 for s in graded.values())
                 line += f"; full marks {full} of {args.n}"
