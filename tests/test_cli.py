@@ -231,15 +231,40 @@ def test_output_file_gets_the_report_and_stdout_stays_empty(fmt, tmp_path, capsy
 
 def test_convention_can_be_forced(workdir, capsys):
     target = "my_attention.py:AttentionAsClass"
-    code, out, _ = cli(capsys, target, *QUICK, "--only", "cross-attention-shapes", "--format", "json")
-    assert code == 1 and json.loads(out)["targets"][0]["convention"] == "module"  # a class: detected as a module
+    code, out, err = cli(capsys, target, *QUICK, "--only", "cross-attention-shapes", "--format", "json")
+    assert code == 2 and out == ""  # a class: detected as a module, which Cls(d_model, n_heads) cannot build
+    assert "cannot follow the module convention" in err and "AttentionAsClass(Q, K, V, mask=None)" in err
     code, out, _ = cli(capsys, target, *QUICK, "--only", "cross-attention-shapes", "--format", "json",
                        "--convention", "function")
     result = json.loads(out)["targets"][0]
     assert code == 0 and (result["convention"], result["conforms"]) == ("function", True)
-    code, out, _ = cli(capsys, f"{SEED}:attention", *QUICK, "--only", "cross-attention-shapes",
-                       "--convention", "module")
-    assert code == 1 and "(module convention)" in out
+    code, out, err = cli(capsys, f"{SEED}:attention", *QUICK, "--only", "cross-attention-shapes",
+                         "--convention", "module")  # a function of Q, K, V cannot be built as Cls(d_model, n_heads)
+    assert code == 2 and out == "" and "calls Cls(d_model, n_heads); attention(Q, K, V, mask=None)" in err
+
+
+TWO_PARAMETERS = "def attention(Q, K):\n    return Q\n\n\nclass Net:\n    def __init__(self, d_model, n_heads):\n" \
+                 "        pass\n\n    def forward(self, x):\n        return x\n\n\ndef mod(b, h, q_idx):\n    return True\n"
+
+
+@pytest.mark.parametrize("target, convention, shown, calls", [
+    ("attention", "function", "attention(Q, K)", "attention(Q, K, V)"),
+    ("attention", "sdpa", "attention(Q, K)", "fn(query, key, value"),
+    ("attention", "hf", "attention(Q, K)", "fn(module, query, key, value, attention_mask"),
+    ("attention", "score-mod", "attention(Q, K)", "score_mod(score, b, h, q_idx, kv_idx)"),
+    ("mod", "mask-mod", "mod(b, h, q_idx)", "mask_mod(b, h, q_idx, kv_idx)"),
+    ("Net", "module", "Net.forward(self, x)", "module(x_q, x_kv)"),
+    ("mod", "torch-mha", "mod(b, h, q_idx)", "the factory as Cls(d_model, n_heads)"),
+])
+def test_a_signature_that_cannot_take_the_conventions_call_is_a_usage_error(target, convention, shown, calls,
+                                                                            workdir, capsys):
+    """``--convention function`` on a function of two parameters: exit 2 before any call, the signature and the
+    convention's call side by side (it used to run every property and root a TypeError in the kit's frame)."""
+    (workdir / "two.py").write_text(TWO_PARAMETERS)
+    code, out, err = cli(capsys, f"two.py:{target}", "--convention", convention, *QUICK)
+    assert code == 2 and out == "", out
+    assert f"{convention} convention calls" in err and calls in err and shown in err, err
+    assert "Traceback" not in err and "base.py" not in err
 
 
 def test_check_help_has_examples(capsys):

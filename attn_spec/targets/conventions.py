@@ -50,6 +50,7 @@ from attn_spec.targets.base import (  # noqa: F401 - the conventions' vocabulary
     ATTENTION_CONVENTIONS, CONVENTIONS, FUNCTION_CONVENTIONS, LIBRARY_TARGETS, MASK_FORMS, MOD_CONVENTIONS,
     MULTIHEAD_CONVENTIONS, PROJECTIONS, Target, _call, check_output, library_convention, parameter_names,
     parse_masks, positional_capacity)
+from attn_spec.targets.call_shapes import check_call_shape
 from attn_spec.targets.capture import capture
 from attn_spec.targets.functions import FunctionTarget, SdpaTarget
 from attn_spec.targets.guard import StateGuard
@@ -112,6 +113,7 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
         if given is not None and convention not in applies:
             raise KitUsageError(f"{flag} applies to the {' and '.join(applies)} convention"
                                 f"{'s' if len(applies) > 1 else ''}, but {name} follows the {convention} convention")
+    check_call_shape(obj, convention, name)  # before anything runs: a signature that cannot take the call
     kwargs = {"inference_only": inference_only}
     if convention in ("function", "sdpa"):
         target = (FunctionTarget if convention == "function" else SdpaTarget)(obj, name, masks, layout, **kwargs)
