@@ -219,14 +219,26 @@ def test_markdown_report(capsys):
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_output_file_gets_the_report_and_stdout_stays_empty(fmt, tmp_path, capsys):
     path = tmp_path / "report.out"
-    code, out, _ = cli(capsys, f"{SEED}:attention", *QUICK, "--only", "cross-attention-shapes",
-                       "--format", fmt, "--output", str(path))
+    code, out, err = cli(capsys, f"{SEED}:attention", *QUICK, "--only", "cross-attention-shapes",
+                         "--format", fmt, "--output", str(path))
     assert code == 0 and out == ""
+    assert f"attn-spec: wrote the {fmt} report of 1 target(s) (conforms) to {path}" in err
     text = path.read_text()
     if fmt == "json":
         _assert_contract(json.loads(text))
     else:
         assert "CONFORMS" in text and "cross-attention-shapes" in text
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing/dir/r.json", "there is no folder"), (".", "is a folder; name a file in it")], ids=["missing", "folder"])
+def test_an_output_that_cannot_be_written_is_a_usage_error_before_the_run(where, message, tmp_path, monkeypatch,
+                                                                          capsys):
+    """``--output /missing/dir/r.json`` used to crash with a FileNotFoundError after the whole run (exit 1)."""
+    monkeypatch.setattr(attn_spec.api, "run", lambda *a, **k: pytest.fail("the run started"))
+    code, out, err = cli(capsys, f"{SEED}:attention", *QUICK, "--output", str(tmp_path / where))
+    assert code == 2 and out == "" and message in err and "Traceback" not in err, err
+    assert err.startswith("usage: attn-spec check ")
 
 
 def test_convention_can_be_forced(workdir, capsys):

@@ -306,7 +306,9 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded
     rubric.write_text(RUBRIC)
     code = main(["grade", str(HERE / "submissions" / "buggy_no_scale.py"), "--gradescope",
                  "--out", str(tmp_path / "results"), "--rubric", str(rubric)])
-    assert code == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"wrote grades.csv, grades.json, summary.md, summary.json, summary.html, results.json and feedback/ in {tmp_path / 'results'}" in out
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert isinstance(results["score"], float) and results["output"]
     assert {t["status"] for t in results["tests"]} == {"passed", "failed"}

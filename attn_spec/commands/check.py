@@ -73,9 +73,23 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _output_problem(path: str) -> str | None:
+    """Why the report cannot be written to ``path``, checked before the run (not after it); None if it can."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--output {path} is a folder; name a file in it"
+    if not os.path.isdir(folder):
+        return f"--output {path}: there is no folder {folder} to write it in (create it first)"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"--output {path}: {'the file' if os.path.exists(path) else f'the folder {folder}'} is not writable"
+    return None
+
+
 def run(args) -> int:
     from attn_spec import settings as config
 
+    if args.output and _output_problem(args.output):
+        return usage_error(args, _output_problem(args.output))
     try:
         settings = config.load(config.command_line(args))
     except config.SettingError as exc:
@@ -107,8 +121,15 @@ def run(args) -> int:
     render = {"text": lambda r: render_report(r, markdown=False, colour=colour), "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n",
               "junit": to_junit, "html": lambda r: r._repr_html_()}[args.format]
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(render(report))
+        try:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(render(report))
+        except OSError as exc:
+            print(f"attn-spec: cannot write the report to {args.output}: {exc.strerror}", file=sys.stderr)
+            return EXIT_USAGE
+        verdict = "conforms" if report.conforms else "does not conform"
+        print(f"attn-spec: wrote the {args.format} report of {len(report.targets)} target(s) ({verdict}) to "
+              f"{args.output}", file=sys.stderr)  # stdout stays empty: it may be piped
     else:
         sys.stdout.write(render(report))
     if os.environ.get("GITHUB_ACTIONS") == "true":  # annotations on the pull request

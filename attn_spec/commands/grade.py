@@ -143,14 +143,15 @@ def run(args) -> int:
               f"others while it runs; `chmod o-rwx {args.submissions}` prevents it", file=sys.stderr)
     start = time.monotonic()
     grades = grade_all(subs, rubric, jobs=args.jobs, progress=_Progress(sys.stdout.isatty()), launched=launched)
-    write_outputs(args.out, grades, rubric, gradescope=args.gradescope)
+    written = write_outputs(args.out, grades, rubric, gradescope=args.gradescope)
     counts: dict[str, int] = {}
     for g in grades:
         counts[g.outcome] = counts.get(g.outcome, 0) + 1
     full = sum(g.full_marks for g in grades)
     print(f"graded {len(grades)} submission(s) in {time.monotonic() - start:.1f}s: {full} with full marks; "
           + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items(), key=lambda kv: -kv[1])))
-    print(f"wrote grades.csv, grades.json, summary.md (.json, .html) and feedback/ in {args.out}")
+    files = [name for name in (os.path.relpath(path, args.out) for path in written) if os.sep not in name]
+    print(f"wrote {', '.join(files)} and feedback/ in {args.out}")
     if counts.get(GRADER_ERROR):
         print(f"attn-spec: the grader failed on {counts[GRADER_ERROR]} submission(s); see their feedback", file=sys.stderr)
         return EXIT_FAIL
