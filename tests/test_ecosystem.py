@@ -114,6 +114,15 @@ def test_layout_is_probed_when_the_names_do_not_tell():
     assert not forced.conforms  # read the other way round, the same kernel is wrong
 
 
+def test_the_default_layout_reads_as_one_parenthesis():
+    """Where neither probe tells (here: both raise), the header's line is not "bhsd (the default (...))"."""
+    def refuses(q, k, v):
+        raise NotImplementedError
+
+    notes = make_target(refuses).notes()
+    assert notes == ["layout: bhsd (the default; --layout bshd for [B, S, H, D] kernels)"]
+
+
 def test_layout_applies_to_function_conventions_only():
     with pytest.raises(KitUsageError, match="--layout applies to the function and sdpa conventions"):
         make_target(attn_spec.reference.MultiHeadAttention, layout="bshd")

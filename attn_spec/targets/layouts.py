@@ -148,4 +148,4 @@ def detect(call, names) -> tuple[str, str]:
         which = "bshd" if bshd else "bhsd"
         return which, (f"detected: Q [1, 3, 2, 4] against K [1, 5, 2, 4] runs only as "
                        f"{'[B, S, H, D]' if bshd else '[B, H, S, D]'}")
-    return "bhsd", "the default (--layout bshd for [B, S, H, D] kernels)"
+    return "bhsd", "the default; --layout bshd for [B, S, H, D] kernels"
