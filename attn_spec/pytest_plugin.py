@@ -128,9 +128,18 @@ class AttnSpecSession:
         lines += [f"attn-spec target: {spec} ({target.convention} convention)" for spec, target in c.targets.items()]
         return lines
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_pycollect_makeitem(self, collector, name, obj):
+        """A marked test function becomes its property items while it is collected, so that pytest's
+        "collected N items" counts them (expanded after collection, it counted the function instead)."""
+        outcome = yield
+        made = outcome.get_result()
+        if isinstance(made, (list, pytest.Function)):
+            outcome.force_result([new for item in (made if isinstance(made, list) else [made])
+                                  for new in _marked(item, self)])
+
     @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect filter the items
     def pytest_collection_modifyitems(self, session, items) -> None:
-        items[:] = [new for item in items for new in _marked(item, self)]
         if self.active:
             for spec in self.checker.targets:
                 name = f"attn-spec[{spec}]"
@@ -165,6 +174,7 @@ class Checker:
 
     def items(self, parent, key: str, name=lambda pid: pid) -> list:
         """One item per property and per ``require`` entry, for the target ``key``, under ``parent``."""
+        from attn_spec.checking.runner import applicable
         from attn_spec.targets.behaviours import parse_requirements
         from attn_spec.targets.capabilities import parse_capabilities
 
@@ -172,7 +182,7 @@ class Checker:
         ids = [f"convention:{k}" for k in parse_requirements(require)] + \
               [f"capability:{c}" for c in parse_capabilities(require)]
         return ([PropertyItem.from_parent(parent, name=name(p.id), prop=p, checker=self, key=key)
-                 for p in self.plan.properties] +
+                 for p in applicable(self.plan.properties, self.targets[key])] +
                 [RequirementItem.from_parent(parent, name=name(i), requirement=i, checker=self, key=key)
                  for i in ids])
 

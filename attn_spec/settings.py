@@ -249,6 +249,12 @@ def _read_toml(path: Path) -> dict:
         return {}  # another tool's broken file: not ours to judge
 
 
+def did_you_mean(word: str, known) -> str:
+    """`` (did you mean 'the-closest'?)`` for a misspelt key or id among ``known``, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def pyproject(path: Path | None) -> Layer:
     """The ``[tool.attn-spec]`` table of ``path``; an unknown key is an error that suggests the right one."""
     if path is None:
@@ -259,8 +265,7 @@ def pyproject(path: Path | None) -> Layer:
         raise SettingError(f"{label} must be a table")
     for key in table:
         if key not in SETTINGS:
-            close = difflib.get_close_matches(key.replace("_", "-"), SETTINGS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(key.replace("_", "-"), SETTINGS)
             raise SettingError(f"{label}: unknown key {key!r}{hint}; known keys: {', '.join(SETTINGS)}")
     return Layer(table, lambda s: label, base=path.parent)
 

@@ -30,8 +30,9 @@ FUNCTION_PROPERTIES = ["rows-sum-to-one", "scale-sqrt-dk", "mask-semantics", "ca
 MODULE_PROPERTIES = ["head-concat-equivalence", "permutation-equivariance", "scale-sqrt-dk"]
 
 
-def run_kit(target, only):
-    """Run the quick profile on the CPU and print the verdict and the failures' headlines."""
+def run_kit(target, only, step):
+    """Print the step's title, run the quick profile on the CPU and print the verdict and the failures' headlines."""
+    print(f"\n## {step}")
     report = attn_spec.check(target, profile="quick", seed=SEED, only=only, devices=["cpu"])
     for result in report.targets[0].properties:
         if result.status == "fail" and not result.blocked_by:
@@ -56,7 +57,7 @@ def attention_v1(Q, K, V, mask=None):
     return scores.softmax(dim=-1) @ V
 
 
-run_kit(attention_v1, FUNCTION_PROPERTIES)
+run_kit(attention_v1, FUNCTION_PROPERTIES, "Step 1: no scale")
 
 # %% [markdown]
 # ## Step 2: the softmax over the wrong axis
@@ -75,7 +76,7 @@ def attention_v2(Q, K, V, mask=None):
     return scores.softmax(dim=-2) @ V  # bug: normalises over the queries
 
 
-run_kit(attention_v2, FUNCTION_PROPERTIES)
+run_kit(attention_v2, FUNCTION_PROPERTIES, "Step 2: the softmax over the wrong axis")
 
 # %% [markdown]
 # ## Step 3: mask polarity
@@ -94,7 +95,7 @@ def attention_v3(Q, K, V, mask=None):
     return scores.softmax(dim=-1) @ V
 
 
-run_kit(attention_v3, FUNCTION_PROPERTIES)
+run_kit(attention_v3, FUNCTION_PROPERTIES, "Step 3: mask polarity")
 
 # %% [markdown]
 # ## Step 4: the fixed function
@@ -110,7 +111,7 @@ def attention(Q, K, V, mask=None):
     return scores.softmax(dim=-1) @ V  # [..., n_q, d_v]
 
 
-run_kit(attention, FUNCTION_PROPERTIES)
+run_kit(attention, FUNCTION_PROPERTIES, "Step 4: the fixed function")
 
 # %% [markdown]
 # ## Step 5: multi-head, heads split without a transpose
@@ -140,7 +141,7 @@ class MultiHeadNoTranspose(torch.nn.Module):
         return self.W_O(self.merge(heads))
 
 
-run_kit(MultiHeadNoTranspose, MODULE_PROPERTIES)
+run_kit(MultiHeadNoTranspose, MODULE_PROPERTIES, "Step 5: multi-head, heads split without a transpose")
 
 # %% [markdown]
 # ## Step 6: the conforming multi-head module
@@ -157,7 +158,7 @@ class MultiHeadAttention(MultiHeadNoTranspose):
         return t.transpose(0, 1).reshape(t.size(1), -1)
 
 
-report = run_kit(MultiHeadAttention, MODULE_PROPERTIES)
+report = run_kit(MultiHeadAttention, MODULE_PROPERTIES, "Step 6: the conforming multi-head module")
 
 # %% [markdown]
 # In a notebook, `report` alone renders the HTML report with heatmaps (`Report._repr_html_`);

@@ -29,6 +29,7 @@ from attn_spec.diagnosis.run import diagnose_one
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import KitUsageError
 from attn_spec.report.text import failure_text
+from attn_spec.settings import did_you_mean
 from attn_spec.targets.conventions import Target, make_target, parse_masks
 
 # Import order is catalog order: the basic, decisive properties first.
@@ -59,7 +60,8 @@ def select(only=None, skip=None) -> list[Property]:
     for ids in (only or [], skip or []):
         unknown = [i for i in ids if i not in REGISTRY]
         if unknown:
-            raise KitUsageError(f"unknown property id(s): {', '.join(unknown)}; known: {', '.join(REGISTRY)}")
+            named = ", ".join(f"{i}{did_you_mean(i, REGISTRY)}" for i in unknown)
+            raise KitUsageError(f"unknown property id(s): {named}; known: {', '.join(REGISTRY)}")
     return [p for p in REGISTRY.values() if (not only or p.id in only) and p.id not in (skip or [])]
 
 

@@ -47,7 +47,7 @@ def rows_sum_to_one(target, case):
     allowed = budget(q, k, ones, mask, torch.ones(*sums.shape, 1, dtype=torch.float64))
     w = probes.weights(target, q, k, mask)  # [..., Tq, Tk]
     ref_w = reference.attention(q, k, k, mask)[1]  # [..., Tq, Tk]
-    labels = ("the weights, read with V = identity", "the reference's weights")
+    labels = probes.WEIGHT_LABELS
     if max_error(sums, torch.ones(sums.shape, dtype=torch.float64)) > allowed:
         col_sums = w.double().sum(dim=-2)  # [..., Tk]
         cause = ("the weights have NaN or inf although every input is finite (0/0 or an overflowing exp?)"
@@ -127,7 +127,7 @@ def _causal_weights(target, case, q, k, mask):
     ref_w = reference.attention(q, k, k, mask)[1]  # [..., Tq, Tk]
     future = ~reference.causal_mask(case.n_q, case.n_kv)  # [Tq, Tk]
     leak = w.masked_fill(~future, 0.0).abs()
-    labels = ("the weights, read with V = identity", "the reference's weights")
+    labels = probes.WEIGHT_LABELS
     if leak.max().item() > 0:
         diag = torch.diagonal(w, dim1=-2, dim2=-1)
         cause = ("the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get the weight"

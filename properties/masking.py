@@ -105,7 +105,7 @@ def mask_semantics(target, case):
         worst = leak.abs().nan_to_num(math.inf).max().item()
         fail(f"{worst:.3g}", what="the largest weight on a masked key", expected="exactly 0",
              call="attention(Q, K, V=identity, mask)", cause=_leak_cause(w, allowed, q, k, mask), got=w,
-             expected_tensor=reference.attention(q, k, k, mask)[1])
+             expected_tensor=reference.attention(q, k, k, mask)[1], labels=probes.WEIGHT_LABELS)
     _check_masked_inputs_unused(target, q, k, v, mask)
     _check_float_mask(target, case, q, k, v, mask)
 

@@ -15,7 +15,7 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget, max_error, softcap_budget
 from attn_spec.checking.assertions import fail
-from attn_spec.checking.probes import weights
+from attn_spec.checking.probes import WEIGHT_LABELS, weights
 
 F64 = torch.float64
 
@@ -81,7 +81,7 @@ def sliding_window(target, case):
     fail(f"max error {err:.3g}", what=f"the output with a window of w = {w} keys against the float64 reference "
          f"(weights shown)", budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, window={w})",
          cause=cause, got=weights(target, q, k, mask, window=w),
-         expected_tensor=reference.attention(q, k, v, mask, window=w)[1],
+         expected_tensor=reference.attention(q, k, v, mask, window=w)[1], labels=WEIGHT_LABELS,
          mask=allowed_keys.expand(got.shape[:-1] + (case.n_kv,)))  # hatches the keys outside the window
 
 
@@ -146,4 +146,5 @@ def softcap(target, case):
                  "the scores are not capped as cap * tanh(s / cap) before the mask")
     fail(f"max error {err:.3g}", what=f"the output with softcap = {cap:g} against the float64 reference (weights shown)",
          budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, softcap={cap:g})", cause=cause,
-         got=weights(target, q, k, mask, softcap=cap), expected_tensor=reference.attention(q, k, v, mask, softcap=cap)[1])
+         got=weights(target, q, k, mask, softcap=cap), expected_tensor=reference.attention(q, k, v, mask, softcap=cap)[1],
+         labels=WEIGHT_LABELS)

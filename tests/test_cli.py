@@ -137,11 +137,14 @@ def test_usage_errors_exit_2_with_one_paragraph(name, workdir, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--only", "rows-sum-to-1"], "only=['rows-sum-to-1'] from the command line (--only): unknown property id(s): "
-                                  "rows-sum-to-1; known: rows-sum-to-one"),
+                                  "rows-sum-to-1 (did you mean 'rows-sum-to-one'?); known: rows-sum-to-one"),
+    (["--only", "causal_mask", "xyzzy"], "only=['causal_mask', 'xyzzy'] from the command line (--only): "
+                                         "unknown property id(s): causal_mask (did you mean 'causal-mask'?), xyzzy; "
+                                         "known: "),
     (["--skip", "no-such-id"], "skip=['no-such-id'] from the command line (--skip): unknown property id(s): no-such-id"),
     (["--profile", "huge"], "profile='huge' from the command line (--profile): must be one of quick, default, thorough"),
     (["--seed", "x"], "seed='x' from the command line (--seed): must be an integer"),
-], ids=["only", "skip", "profile", "seed"])
+], ids=["only", "only-two", "skip", "profile", "seed"])
 def test_bad_settings_exit_2_in_checks_own_usage(argv, message, workdir, capsys):
     code, out, err = cli(capsys, "my_attention.py:attention", "--profile", "quick", *argv)
     assert code == 2 and out == ""

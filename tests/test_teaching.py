@@ -17,7 +17,7 @@ import attn_spec.properties  # noqa: F401 - registers the catalog
 from attn_spec import lessons, reference, symbolic
 from attn_spec.checking.catalog import DERIVATIONS, REGISTRY
 from attn_spec.cli import main
-from attn_spec.report.html import to_html
+from attn_spec.report.html import heatmaps, to_html
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = list(REGISTRY)
@@ -124,7 +124,7 @@ class _Checker(HTMLParser):
 @pytest.fixture(scope="module")
 def failing_report():
     return attn_spec.check(inverted_mask, profile="quick", seed=3, devices=["cpu"],
-                           only=["causal-mask", "scale-sqrt-dk"])
+                           only=["causal-mask", "scale-sqrt-dk", "mask-semantics"])
 
 
 def test_html_report_is_self_contained_with_heatmaps(failing_report):
@@ -142,6 +142,17 @@ def test_html_report_is_self_contained_with_heatmaps(failing_report):
     causal = next(p for p in failing_report.targets[0].properties if p.id == "causal-mask")
     assert causal.counterexample["mask"] == reference.causal_mask(3, 3).tolist()
     assert "DOES NOT CONFORM" in page and "causal-mask" in page
+
+
+def test_every_heatmap_of_weights_hatches_the_masked_cells(failing_report):
+    """mask-semantics shows the weights read with V = identity: its heatmaps hatch the masked keys too (they did
+    not, as its failure was labelled as a plain output)."""
+    shown = [p for p in failing_report.targets[0].properties if p.counterexample and p.counterexample["got"]
+             and "weights" in " ".join(p.counterexample["labels"])]
+    assert {p.id for p in shown} >= {"causal-mask", "mask-semantics"}
+    for p in shown:
+        assert p.counterexample.get("mask") is not None, p.id
+        assert re.search(r'<td class="[^"]*\bmasked\b', heatmaps(p.counterexample)), p.id
 
 
 def test_check_format_html(tmp_path):
@@ -183,6 +194,7 @@ def test_tutorial_runs_and_shows_what_it_announces():
     assert len(steps) == len(verdicts) == len(chunks) == 6
     for (title, expected), verdict, chunk in zip(steps, verdicts, chunks):
         assert expected, f"{title}: the text announces nothing"
+        assert chunk.lstrip().startswith(f"## {title}\n"), f"a script run prints the step's title first:\n{chunk}"
         if expected == {"CONFORMS"}:
             assert verdict == "CONFORMS", f"{title}: announced CONFORMS, got\n{chunk}"
         else:

@@ -40,6 +40,10 @@ def sample_rows(n_q: int, count: int = 16) -> torch.Tensor:
     return torch.linspace(0, n_q - 1, min(n_q, count)).round().long().unique()
 
 
+# How a failure labels weights it shows (got, expected): the report hatches the masked cells of such matrices.
+WEIGHT_LABELS = ("the weights, read with V = identity", "the reference's weights")
+
+
 def weights(target, q, k, mask=None, **options) -> torch.Tensor:
     """The attention weights [..., Tq, Tk] the target applies, read with V = identity (``options``: attend's,
     such as window or softcap)."""

@@ -356,6 +356,13 @@ def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: i
     return errors
 
 
+def applicable(props, target: Target) -> list:
+    """The properties a check of ``target`` reports: a FlexAttention mod gets only its own, an attention none of
+    the mods' (left out, not skipped: the CLI's report and the pytest plugin's items list the same ones)."""
+    return [p for p in props if target.convention in p.conventions or
+            (target.is_attention and not set(p.conventions) <= set(MOD_CONVENTIONS))]
+
+
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
                  devices=None, progress=None, require=None, exitfirst=False, expected=(),
                  diagnose=True, verbose=False, rungs=None) -> TargetReport:
@@ -368,9 +375,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
     report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
     dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
-    # A FlexAttention mod gets only its own properties, an attention none of the mods' (left out of the report).
-    props = [p for p in props if target.convention in p.conventions or
-             (target.is_attention and not set(p.conventions) <= set(MOD_CONVENTIONS))]
+    props = applicable(props, target)
     # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
     if target.is_attention:
         probe_errors = _probe_header(report, target, dtypes, devices, seed, verbose)

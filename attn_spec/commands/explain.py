@@ -22,12 +22,14 @@ def run(args) -> int:
     from attn_spec.checking.catalog import REGISTRY
     from attn_spec.diagnosis import MISTAKES
     from attn_spec.lessons import render, render_mistake
+    from attn_spec.settings import did_you_mean
 
     if args.id in MISTAKES:
         sys.stdout.write(render_mistake(args.id, args.format))
         return EXIT_OK
     if args.id not in REGISTRY:
-        return usage_error(args, f"unknown property id {args.id!r} (nor a mistake id: attn-spec list --mistakes "
+        hint = did_you_mean(args.id, [*REGISTRY, *MISTAKES])
+        return usage_error(args, f"unknown property id {args.id!r}{hint} (nor a mistake id: attn-spec list --mistakes "
                                  f"lists those); known property ids:\n  " + "\n  ".join(REGISTRY))
     sys.stdout.write(render(args.id, args.format))
     return EXIT_OK
