@@ -94,3 +94,46 @@ def test_conventions_table_lists_every_convention_with_the_command_that_checks_i
                              expect_score=flags.get("--expect-score"))
         assert target.convention == convention, command
         assert not layout or target.layout == layout, command
+
+
+def test_the_marker_example_runs_in_a_project_with_the_pythonpath_line_readme_names(tmp_path):
+    """README's marker example, in a project with ``mypkg/`` beside ``tests/``: pytest finds ``mypkg`` only with the
+    ``pythonpath = ["."]`` line README says to add (a newcomer's run failed on the import without it)."""
+    import subprocess
+    import sys
+
+    section = README.split("From inside a test module, a marker", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    line = re.search(r'`(pythonpath = \["\."\])` to `\[tool\.pytest\.ini_options\]`', section).group(1)
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "attn.py").write_text((ROOT / "examples" / "seed_attention.py").read_text(encoding="utf-8"))
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_attn.py").write_text(example)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH" and not k.startswith("ATTN_SPEC_")}
+    for pyproject, expected in (("", "No module named 'mypkg'"), (line, "2 tests collected")):
+        (tmp_path / "pyproject.toml").write_text(f"[tool.pytest.ini_options]\n{pyproject}\n")
+        # the pytest command, as a newcomer runs it: `python -m pytest` would put the current folder on sys.path
+        done = subprocess.run([str(Path(sys.executable).parent / "pytest"), "--collect-only", "-q", "-p", "no:cacheprovider"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert expected in done.stdout, done.stdout + done.stderr
+
+
+def test_one_rung_of_the_scale_profile_is_the_shapes_readme_gives():
+    """README's way to run one rung of ``--profile scale`` (its shapes, through ``--shapes``) plans exactly the
+    scale profile's checks at that length."""
+    from attn_spec import api, settings as config
+    from attn_spec.checking.shapes import ladder
+
+    section = README.split("The `scale` profile is a ladder", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("```", 1)[0].split()
+    shapes = command[command.index("--shapes") + 1:]
+    target = command[command.index("check") + 1]
+
+    def planned(**given):
+        return api.plan(config.load(config.keywords({"targets": [target], **given}, "{key}"), start=ROOT,
+                                    environ={})).rungs
+
+    scale = [r for r in planned(profile="scale") if r.shape.n_q == 4096]
+    assert len(scale) == 3 and planned(shapes=shapes) == scale
+    assert {str(s) for s in ladder("cpu") if s.n_q == 4096} == set(shapes)
