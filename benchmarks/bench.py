@@ -1,6 +1,7 @@
 """How fast is attn-spec, and how quickly does it find bugs? One command, one table.
 
     python benchmarks/bench.py [--repeat 3] [--only check overhead bugs diagnosis grade] [--markdown]
+    python benchmarks/bench.py --markdown > benchmarks/results.md && python benchmarks/update_readme.py  # README
 
 Sections (each figure is measured in this run, on this machine):
 - check: wall time and peak memory of a fresh ``attn-spec check`` process on the seed attention,
@@ -24,6 +25,7 @@ Sections (each figure is measured in this run, on this machine):
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import os
@@ -310,7 +312,9 @@ def main() -> None:
     parser.add_argument("--ladder-lengths", type=int, nargs="*", default=[],
                         help="rungs of the ladder section (default: every CPU rung, 1024, 4096, 16384)")
     parser.add_argument("--n", type=int, default=30, help="submissions per graded class (default 30)")
-    parser.add_argument("--markdown", action="store_true", help="a GitHub table, for the README")
+    parser.add_argument("--markdown", action="store_true",
+                        help="the Performance table as markdown, for README: save it as benchmarks/results.md, then "
+                             "run benchmarks/update_readme.py")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     torch_s, _, torch_mb = median_run([sys.executable, "-c", "import torch"], args.repeat)
@@ -323,8 +327,11 @@ def main() -> None:
          "ladder": lambda: rows.extend(ladder_rows(SDPA, "cpu", args.ladder_lengths, [], [], 3600))}[section]()
     import torch
 
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"torch {torch.__version__}; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    # The first line of benchmarks/results.md: README quotes it (benchmarks/update_readme.py).
+    print(f"measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, {gpu}; "
+          f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print(tabulate(rows, headers=["measure", "figure", "detail", "target", "met"],
                    tablefmt="github" if args.markdown else "simple"))
 

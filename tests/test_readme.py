@@ -1,4 +1,4 @@
-"""README.md stays true: its set-up commands, its catalog table, its adapter example."""
+"""README.md stays true: its set-up commands, its catalog table and generated figures, its examples."""
 import re
 from pathlib import Path
 
@@ -19,6 +19,40 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     assert "pip install" in install_and_check and "attn-spec check" in install_and_check
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert run_tests in ci.splitlines(), f".ci/run must run README's test command {run_tests!r}"
+
+
+def _update_readme():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("update_readme", ROOT / "benchmarks" / "update_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readmes_generated_figures_are_current():
+    """Every count README quotes is the code's (the properties, the gallery), every benchmark figure the last saved
+    run's (benchmarks/results.md), in marked regions that benchmarks/update_readme.py rewrites: run it when this
+    fails. (It used to say "5 of 22 properties fail" with 24, a gallery of 66, 87 and 90 bugs, and a median call
+    count of "2nd or 3rd" beside the table's 8.)"""
+    update = _update_readme()
+    names = {m["name"] for m in update.REGION.finditer(README)}
+    assert {"bench-table", "bench-measured", "gallery-buggy", "gallery-correct",
+            "bench:target calls to the first failure", "bench:self-test (python -m pytest)"} <= names, names
+    assert update.render(README) == README, "README's generated parts are stale: python benchmarks/update_readme.py"
+    n = update.counts()["attention-properties"]
+    assert re.findall(r"\d+ of (\d+)\s+properties fail", README) and \
+        set(re.findall(r"\d+ of (\d+)\s+properties fail", README)) == {str(n)}
+    measured, table, figures = update.bench()
+    assert measured.startswith("measured 20") and len(figures) > 20 and f"\n{table}\n" in README
+
+
+def test_a_stale_count_fails_the_check():
+    """The check above can fail: a README that says 22 properties or a gallery of 66 is rewritten."""
+    update = _update_readme()
+    stale = re.sub(r"(<!-- generated:gallery-buggy -->)\d+<", r"\g<1>66<", README, count=1)
+    stale = re.sub(r"(\d+) of \d+ properties fail", r"\1 of 22 properties fail", stale, count=1)
+    assert stale != README and update.render(stale) == README
 
 
 def test_every_property_is_in_the_catalog_table():

@@ -1,0 +1,105 @@
+"""Rewrite README.md's generated parts, so that no figure or count it quotes goes stale by hand:
+
+- the catalog table, between ``<!-- catalog -->`` and ``<!-- /catalog -->``, from the registry;
+- each ``<!-- generated:NAME -->...<!-- /generated -->`` region: NAME is a count of the code (COUNTS: the
+  properties, the gallery), or ``bench:MEASURE`` (the figure of that row of the last saved benchmark run,
+  benchmarks/results.md), ``bench-table`` (its whole table) or ``bench-measured`` (when and where it ran);
+- in the transcripts (code blocks, where a marker would show), "N of M properties fail" and "K not run" with M
+  the number of properties a check reports on an attention.
+
+    python benchmarks/bench.py --markdown > benchmarks/results.md   # measure (long: every section)
+    python benchmarks/update_readme.py                              # then rewrite README.md
+
+tests/test_readme.py fails when README.md differs from what this script writes.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import sys
+from pathlib import Path
+
+import attn_spec.properties  # noqa: F401 - fills the registry
+from attn_spec.checking.catalog import REGISTRY
+from attn_spec.targets.conventions import ATTENTION_CONVENTIONS, MOD_CONVENTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "results.md"
+REGION = re.compile(r"<!-- generated:(?P<name>[^>]+?) -->(?P<text>.*?)<!-- /generated -->", re.S)
+
+
+def table() -> str:
+    rows = ["| id | family | statement | conventions |", "|---|---|---|---|"]
+    for p in REGISTRY.values():
+        conventions = "all" if set(p.conventions) == set(ATTENTION_CONVENTIONS) else ", ".join(p.conventions)
+        rows.append(f"| `{p.id}` | {p.family} | {p.statement} | {conventions} |")
+    return "\n".join(rows)
+
+
+def attention_properties() -> int:
+    """The properties a check reports on an attention target (the FlexAttention mods' own left out)."""
+    return sum(not set(p.conventions) <= set(MOD_CONVENTIONS) for p in REGISTRY.values())
+
+
+def _gallery():
+    """tests/gallery with every module imported (each registers its entries)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import gallery
+
+        for module in pkgutil.iter_modules(gallery.__path__):
+            importlib.import_module(f"gallery.{module.name}")
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    return gallery
+
+
+def counts() -> dict[str, int]:
+    gallery = _gallery()
+    return {"properties": len(REGISTRY), "attention-properties": attention_properties(),
+            "gallery-buggy": len(gallery.BUGGY), "gallery-correct": len(gallery.CORRECT),
+            "gallery-trivial": len(gallery.TRIVIAL)}
+
+
+def bench(path: Path = RESULTS) -> tuple[str, str, dict[str, str]]:
+    """(the line saying when and where it ran, the table, measure -> figure) of a saved ``bench.py --markdown``."""
+    measured, _, rest = path.read_text(encoding="utf-8").strip().partition("\n\n")
+    rows = {}
+    for line in rest.splitlines()[2:]:  # after the header and the |---| line
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1]
+    return measured.strip(), rest.strip(), rows
+
+
+def value(name: str, found: dict, saved: tuple) -> str:
+    measured, bench_table, figures = saved
+    if name == "bench-table":
+        return f"\n{bench_table}\n"
+    if name == "bench-measured":
+        return measured
+    if name.startswith("bench:"):
+        if name[6:] not in figures:
+            raise KeyError(f"README quotes {name!r}, but {RESULTS.name} has no such row")
+        return figures[name[6:]]
+    if name not in found:
+        raise KeyError(f"README has a generated region {name!r} that no count names (known: {', '.join(found)})")
+    return str(found[name])
+
+
+def render(text: str) -> str:
+    """README's text with every generated part rewritten."""
+    head, rest = text.split("<!-- catalog -->", 1)
+    _, tail = rest.split("<!-- /catalog -->", 1)
+    text = f"{head}<!-- catalog -->\n{table()}\n<!-- /catalog -->{tail}"
+    found, saved = counts(), bench()
+    text = REGION.sub(lambda m: f"<!-- generated:{m['name']} -->{value(m['name'], found, saved)}<!-- /generated -->",
+                      text)
+    n = found["attention-properties"]
+    text = re.sub(r"(\d+) of \d+(\s+)properties fail", rf"\1 of {n}\2properties fail", text)
+    return re.sub(r"`\d+ not run: stopped at the", f"`{n - 1} not run: stopped at the", text)
+
+
+if __name__ == "__main__":
+    README.write_text(render(README.read_text(encoding="utf-8")), encoding="utf-8")
