@@ -7,6 +7,7 @@ only view of the kit is that folder: no editable finder, no source tree on ``sys
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import shutil
@@ -47,7 +48,9 @@ def test_a_wheel_built_from_a_clean_tree_installs_and_checks_readmes_first_targe
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(*UNTRACKED))
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+    # Offline, with the environment's own setuptools (Python 3.11's venv has one); else pip fetches it, as for -e.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
                     "--disable-pip-version-check", "-w", str(wheels), str(tree)], check=True)
     (wheel,) = wheels.glob("attn_spec-*.whl")
 
