@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from attn_spec import reference
-from attn_spec.checking import chunked
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
@@ -81,15 +81,15 @@ def is_causal(target, case):
         if case.n_q == case.n_kv and candidates:  # square: the same triangle
             candidates[alignment] = candidates["top-left"]
             continue
-        expected = chunked.reference_output(q, k, v, causal=True, causal_alignment=alignment)  # no [Tq, Tk] mask
-        allowed = budget(q, k, v, None, expected, causal=True, causal_alignment=alignment)
-        candidates[alignment] = (max_error(got, expected), allowed, expected)
-    if any(err <= allowed for err, allowed, _ in candidates.values()):
+        candidates[alignment] = row_reference(q, k, v, causal=True, causal_alignment=alignment)  # no [Tq, Tk] mask
+    if any(ref.holds(got) for ref in candidates.values()):
         return
-    err, allowed, expected = candidates["top-left"]
-    no_mask = chunked.reference_output(q, k, v)
-    cause = ("is_causal is ignored" if max_error(got, no_mask) <= allowed
+    ref = candidates["top-left"]
+    cause = ("is_causal is ignored" if row_reference(q, k, v).holds(got)
              else "the causal triangle is off by one or misaligned")
-    fail(f"max error {err:.3g} (top-left) and {candidates['bottom-right'][0]:.3g} (bottom-right)",
-         what="the output against the reference under either causal alignment", budget=allowed,
-         call="attention(Q, K, V, is_causal=True)", cause=cause, got=got, expected_tensor=expected)
+    if ref.why is not None:  # a long case: the top-left triangle's own judgement, which names the row
+        ref.check(got, what="the output against the float64 reference under a top-left causal mask (the "
+                  "bottom-right one does not match either)", call="attention(Q, K, V, is_causal=True)", cause=cause)
+    fail(f"max error {ref.error(got):.3g} (top-left) and {candidates['bottom-right'].error(got):.3g} (bottom-right)",
+         what="the output against the reference under either causal alignment", budget=ref.budget,
+         call="attention(Q, K, V, is_causal=True)", cause=cause, got=got, expected_tensor=ref.exact)

@@ -9,7 +9,8 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking import chunked, probes
+from attn_spec.checking import probes
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.assertions import assert_close, fail
@@ -114,7 +115,7 @@ def causal_mask(target, case):
     rows = min(split, case.n_q)
     before = target.attend(q, k, v, mask)[..., :rows, :]
     after = target.attend(q, k2, v2, mask)[..., :rows, :]
-    assert_close(after, before, budget=2 * budget(q, k, v, mask, chunked.reference_output(q, k, v, mask)),
+    assert_close(after, before, budget=2 * row_reference(q, k, v, mask).budget,
                  what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
                  call="attention(Q, K', V', causal mask)",
                  cause="the output reads the future even though the weights look causal",
@@ -154,16 +155,14 @@ def _causal_outputs(target, q, k, v, mask):
     mask (otherwise its values are wrong, which matches-reference reports); which wrong mask
     reproduces the output on a few rows names the bug."""
     got = target.attend(q, k, v, mask)  # [..., Tq, Dv]
-    expected = chunked.reference_output(q, k, v, mask)
-    allowed = budget(q, k, v, mask, expected)
-    if max_error(got, expected) <= allowed:
+    ref = row_reference(q, k, v, mask)  # on chosen rows at long lengths (checking.rows)
+    if ref.holds(got):
         return
-    plain_ref = chunked.reference_output(q, k, v)
-    if max_error(target.attend(q, k, v, None), plain_ref) > budget(q, k, v, None, plain_ref):
+    if not row_reference(q, k, v).holds(target.attend(q, k, v, None)):
         return  # wrong without a mask too: not the mask's failure
-    assert_close(got, expected, budget=allowed, what="the output under the causal mask against the float64 "
-                 "reference (without a mask it matches)", call="attention(Q, K, V, causal mask)",
-                 cause=lambda: _diagnose_causal(got, q, k, v, mask, allowed))
+    ref.check(got, what="the output under the causal mask against the float64 reference (without a mask it "
+              "matches)", call="attention(Q, K, V, causal mask)",
+              cause=lambda: _diagnose_causal(got, q, k, v, mask, ref.budget))
 
 
 def _diagnose_causal(got, q, k, v, mask, allowed) -> str:

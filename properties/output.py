@@ -9,12 +9,12 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking import chunked
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.diagnose import diagnose_mismatch
-from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.checking.tolerance import max_error, multihead_budget
 from attn_spec.errors import Failure
 from attn_spec.properties.core import cross_or_self
 from attn_spec.targets.conventions import MULTIHEAD_CONVENTIONS
@@ -203,11 +203,10 @@ def matches_reference(target, case):
     """
     q, k, v, mask = case.tensors()
     got = target.attend(q, k, v, mask)  # [..., Tq, Dv]
-    expected = chunked.reference_output(q, k, v, mask)  # [..., Tq, Dv], in chunks of queries at long lengths
-    allowed = budget(q, k, v, mask, expected)
-    assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
-                 call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
-                 cause=lambda: _mismatch(target, got, q, k, v, mask, allowed) or ignored_inputs(target, case))
+    ref = row_reference(q, k, v, mask)  # the float64 reference (on chosen rows at long lengths: checking.rows)
+    ref.check(got, what="the output against the float64 reference",
+              call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
+              cause=lambda: _mismatch(target, got, q, k, v, mask, ref.budget) or ignored_inputs(target, case))
 
 
 def _mismatch(target, got, q, k, v, mask, allowed) -> str:

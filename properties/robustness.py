@@ -11,6 +11,7 @@ import torch
 
 from attn_spec import reference
 from attn_spec.checking import chunked
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import Case, MhaCase
@@ -383,12 +384,11 @@ def gqa_equivalence(target, case):
     grouping = behaviour(target, "gqa-grouping", case.dtype, case.device)
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
     repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
-    expected = chunked.reference_output(q, *repeated, mask)
-    allowed = budget(q, *repeated, mask, expected)
-    assert_close(got, expected, budget=allowed, what=f"the output against the float64 reference on K/V heads repeated "
-                 f"in the target's grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
-                 f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
-                 cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping))
+    ref = row_reference(q, *repeated, mask)  # on chosen rows at long lengths (checking.rows)
+    ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
+              f"in the target's grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
+              f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
+              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping))
 
 
 def _repeat_heads(t, group, grouping):
