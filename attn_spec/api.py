@@ -13,6 +13,7 @@ from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import Property
 from attn_spec.checking.runner import check_target
+from attn_spec.checking import rows
 from attn_spec.checking.shapes import Rung, rungs
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import Failure, KitUsageError, TargetLoadError, Uninformative
@@ -116,7 +117,7 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
                                     verbose=verbose, rungs=plan.rungs))
     shapes = list(dict.fromkeys(str(r.shape) for r in plan.rungs or ()))
     report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes,
-                    not_loaded=list(not_loaded), shapes=shapes)
+                    not_loaded=list(not_loaded), shapes=shapes, rows_judged=rows.rules(plan.rungs or ()))
     if plan.expectations:
         plan.expectations.apply(report)
     return report

@@ -95,6 +95,18 @@ def rule(n_q: int, n_kv: int, batch: int = 1) -> str:
             f"judged against {FUSED}")
 
 
+def rules(rungs) -> dict[str, str]:
+    """{shape: its rule} for the rungs whose cases are long (the same test as :func:`sampled`, on the case the
+    shape makes: its batch and head dims, no mask); a shorter rung's rows are all judged exactly."""
+    out = {}
+    for rung in rungs:
+        s = rung.shape
+        n = s.batch * s.heads * s.n_q * s.n_kv
+        if 8 * n > chunked.chunk_bytes_for(torch.device("cpu" if rung.device == "mps" else rung.device)):
+            out[str(s)] = rule(s.n_q, s.n_kv, s.batch * s.heads)
+    return out
+
+
 def sampled(q, k, v, mask=None) -> bool:
     """True when a case is judged on chosen rows: its whole float64 score tensor does not fit in one chunk."""
     return not chunked.fits(q, k, v, mask)

@@ -106,6 +106,7 @@ class Report:
     expect: str | None = None  # the expectations file applied (--expect), if any
     not_loaded: list[dict] = field(default_factory=list)  # {target, message}: TARGETs that could not be loaded
     shapes: list[str] = field(default_factory=list)  # fixed shapes checked (--shapes, the scale profile)
+    rows_judged: dict = field(default_factory=dict)  # shape -> how its long cases' rows are judged (checking.rows)
 
     @property
     def conforms(self) -> bool:
@@ -140,7 +141,7 @@ class Report:
                 "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
                 "conforms": self.conforms, "warnings": list(self.warnings), "expect": self.expect,
                 "not_loaded": list(self.not_loaded), "summary": self.summary(), "shapes": list(self.shapes),
-                "targets": [t.to_dict() for t in self.targets]}
+                "rows_judged": dict(self.rows_judged), "targets": [t.to_dict() for t in self.targets]}
 
     def to_json(self) -> str:
         """Strict RFC 8259 JSON: NaN and the infinities, which JSON cannot write as numbers, become the

@@ -328,6 +328,8 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
               f"torch {report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
     if report.shapes:
         header += f" · shapes {' '.join(report.shapes)}"
+    for shape, rule in report.rows_judged.items():
+        header += f"\n{shape}: {rule}"
     out.append(f"# Conformance report\n\n{header}" if markdown else header)
     for t in report.targets:
         title = f"{t.target} ({t.convention} convention): {t.verdict}"

@@ -1,0 +1,104 @@
+"""Long cases judged on chosen rows (attn_spec.checking.rows): which rows, that they are exact, the cache,
+and the gallery of kernels wrong only in some rows (tests/gallery/rows.py) caught at every rung."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import attn_spec
+from attn_spec.checking import chunked, rows
+from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.errors import Failure
+from gallery.rows import ROW_BUGS, sdpa_rows
+
+RUNGS = ["2,2,1100,64", "2,2,4100,64"]  # about 1k and 4k rows, neither a multiple of a tile: both judged on chosen rows
+
+
+def test_the_rows_chosen_are_where_kernel_bugs_live():
+    why = rows.choose(4100, 4100)
+    for row in (0, 1, 4098, 4099, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1023, 1024, 4096, 4097):
+        assert row in why, row
+    assert "last partial tile" in why[4097] or "power of two" in why[4097]
+    assert any("random" in reason for reason in why.values())
+    assert all(0 <= r < 4100 for r in why) and list(why) == sorted(why)
+    bottom_right = rows.choose(100, 1000)  # bottom-right: row i's last key is i + 900
+    assert "causal edge (key 959, offset 900)" in bottom_right[59]  # its last key ends the key tile 960 = 15 x 64
+    assert rows.choose(4100, 4100) == why  # the same rows every time: a failure reproduces
+    assert len(rows.choose(16384, 16384)) <= 120 and len(rows.choose(131072, 131072)) <= 140  # O(k n d), k small
+
+
+def test_a_short_case_is_judged_whole_as_before():
+    q, k, v = (torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ref = rows.reference(q, k, v)
+    full = chunked.reference_output(q, k, v)
+    assert ref.why is None and torch.equal(ref.exact, full) and ref.budget == budget(q, k, v, None, full)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_chosen_rows_are_the_whole_reference_s_rows_and_budgets_are_alike(causal):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 1500, 16, generator=gen) for _ in range(3))
+    mask = torch.rand(1, 1, 1, 1500, generator=gen) > 0.2  # padding
+    ref = rows.reference(q, k, v, mask, causal=causal)
+    assert ref.why is not None and len(ref.why) < 100
+    full = chunked.attention(q, k, v, mask, causal=causal)  # [1, 2, 1500, 16] float64
+    assert max_error(ref.exact, ref.rows_of(full)) < 1e-14
+    whole = budget(q, k, v, mask, full, causal=causal)
+    assert 0.5 * whole <= ref.budget <= 1.05 * whole  # the same floor; the naive error sampled on fewer rows
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask if not causal else
+                                                           mask & torch.ones(1500, 1500, dtype=torch.bool).tril())
+    assert ref.holds(got)
+    ref.check(got, what="the output against the float64 reference")
+
+
+def test_one_reference_per_case_shared_and_bounded(monkeypatch):
+    rows.clear()
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 1500, 16, generator=gen) for _ in range(3))
+    first = rows.reference(q, k, v)
+    assert rows.reference(q.clone(), k.clone(), v.clone()) is first  # the same values: the same reference
+    q2 = q.clone()
+    q2[0, 0, 700, 3] += 1.0
+    assert rows.reference(q2, k, v) is not first  # one value differs: computed again
+    q[0, 0, 0, 0] += 1.0  # the caller writes into its tensors: the copies kept are unchanged
+    assert rows.reference(q, k, v) is not first
+    monkeypatch.setitem(rows.CACHE_BYTES, "cpu", 1)
+    rows.reference(q2, k, v, causal=True)
+    assert len(rows._CACHE) == 1  # beyond the bound only the newest is kept
+    rows.clear()
+
+
+def _named_row(message):
+    found = re.search(r"at query row (\d+)", message)
+    assert found, message
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("shape", RUNGS)
+@pytest.mark.parametrize("name", sorted(ROW_BUGS))
+def test_kernels_wrong_in_some_rows_are_caught_at_every_rung(name, shape):
+    fn, wrong = ROW_BUGS[name]
+    report = attn_spec.check(fn, shapes=[shape], dtypes=["float32"], devices=["cpu"], only=["matches-reference"],
+                             diagnose=False)
+    result = report.targets[0].properties[0]
+    assert result.status == "fail", (name, shape, result.message)
+    n_q = int(shape.split(",")[2])
+    assert _named_row(result.message) in wrong(n_q), result.message  # the failure names a row it gets wrong
+    if set(wrong(n_q)) & set(rows.choose(n_q, n_q)):  # among the rows judged exactly: named with why it was chosen
+        assert "(chosen: " in result.message, result.message
+    else:
+        assert "not one of the" in result.message, result.message
+
+
+@pytest.mark.parametrize("shape", RUNGS)
+def test_the_same_kernel_without_its_mistake_conforms_and_the_header_says_how_rows_were_judged(shape):
+    report = attn_spec.check(sdpa_rows, shapes=[shape], dtypes=["float32"], devices=["cpu"],
+                             only=["matches-reference", "causal-mask", "numerical-stability"])
+    assert report.conforms, str(report)
+    n_q = int(shape.split(",")[2])
+    k = len(rows.choose(n_q, n_q))
+    assert f"rows judged exactly: {k} of {n_q} in each of the 4 batch elements x heads" in str(report)
+    assert json.loads(report.to_json())["rows_judged"][shape].startswith(f"rows judged exactly: {k} of {n_q}")
