@@ -16,7 +16,7 @@ from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads
+from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads, reference_grads_and_terms
 from attn_spec.checking.tolerance import max_error
 from attn_spec.properties.informative import require_responsive
 
@@ -54,8 +54,8 @@ def gradients(target, case):
     require_responsive(target, case)
     q, k, v, mask = case.tensors()
     grad_out = _grad_out(case)  # [..., Tq, Dv]
-    expected = reference_grads(q, k, v, mask, grad_out)
-    allowed = grad_budgets(q, k, v, mask, grad_out, expected)
+    expected, terms = reference_grads_and_terms(q, k, v, mask, grad_out)
+    allowed = grad_budgets(q, k, v, mask, grad_out, expected, terms)
     _, *grads = target.vjp(*case.tensors(), grad_out.clone())  # its own copies: it may write into them
     bad = [i for i, g in enumerate(grads) if not torch.isfinite(g).all()]
     if bad:

@@ -33,8 +33,11 @@ floor alone (FLOOR_ULPS = 2) covers each of them four times over; the factor cov
 that rounds worse than the naive formula.
 
 At lengths where the whole score matrix does not fit in one chunk (``chunked.fits``), both the
-closed form and the naive implementations' autograd run a chunk of query rows at a time: dQ
-row by row, dK and dV summed over the chunks, so the kit's memory stays O(chunk x n_kv + n x d).
+closed form runs a chunk of query rows at a time: dQ row by row, dK and dV summed over the chunks,
+so the kit's memory stays O(chunk x n_kv + n x d); the gradients and their absolute terms come from
+one pass over each chunk's weights. There the same-dtype sample is torch's fused attention's
+backward (one kernel) instead of autograd through the naive forms a chunk at a time (20 to 40 times
+its price); the floor, which covers every calibrated variant four times over, is unchanged.
 """
 from __future__ import annotations
 
@@ -77,23 +80,34 @@ def reference_grads(q, k, v, mask, grad_out, *, scale=None, absolute=False):
     return dq, dk, dv
 
 
-def _chunked_reference_grads(q, k, v, mask, grad_out, *, scale, absolute):
-    """The same closed form a chunk of query rows at a time: dQ per chunk, dK and dV summed."""
+def _chunked_reference_grads(q, k, v, mask, grad_out, *, scale, absolute, both=False):
+    """The same closed form a chunk of query rows at a time: dQ per chunk, dK and dV summed. ``both``: the
+    gradients and their absolute terms from one pass over the weights, (plain, absolute)."""
     device = chunked.compute_device(q)
     batch = chunked.batch_shape(q, k, v, mask)
-    dq, dk, dv = (torch.zeros(*batch, *shape, dtype=F64, device=device)
-                  for shape in (q.shape[-2:], k.shape[-2:], v.shape[-2:]))
+    kinds = (False, True) if both else (absolute,)
+    out = {kind: [torch.zeros(*batch, *shape, dtype=F64, device=device)
+                  for shape in (q.shape[-2:], k.shape[-2:], v.shape[-2:])] for kind in kinds}
     for index, rows, q_c, k64, v64, weights in chunked.blocks(q, k, v, mask, scale=scale):  # weights [c, Tk]
         g = chunked.element(grad_out, index)[rows].detach().to(device, F64)  # [c, Dv]
-        if absolute:  # |K| and |V| cost Tk x D a chunk, against c x Tk x D for its products
-            q_c, k64, v64, g = q_c.abs(), k64.abs(), v64.abs(), g.abs()
-        d_weights = g @ v64.T  # [c, Dv] x [Dv, Tk] -> [c, Tk]
-        row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [c, 1]
-        d_scores = weights * (d_weights + row if absolute else d_weights - row)  # [c, Tk]
-        dq[index][rows] = scale * (d_scores @ k64)  # [c, Tk] x [Tk, Dk] -> [c, Dk]
-        dk[index] += scale * (d_scores.T @ q_c)  # [Tk, c] x [c, Dk] -> [Tk, Dk]
-        dv[index] += weights.T @ g  # [Tk, c] x [c, Dv] -> [Tk, Dv]
-    return dq, dk, dv
+        for kind in kinds:
+            dq, dk, dv = out[kind]
+            qa, ka, va, ga = (t.abs() for t in (q_c, k64, v64, g)) if kind else (q_c, k64, v64, g)
+            d_weights = ga @ va.T  # [c, Dv] x [Dv, Tk] -> [c, Tk]
+            row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [c, 1]
+            d_scores = weights * (d_weights + row if kind else d_weights - row)  # [c, Tk]
+            dq[index][rows] = scale * (d_scores @ ka)  # [c, Tk] x [Tk, Dk] -> [c, Dk]
+            dk[index] += scale * (d_scores.T @ qa)  # [Tk, c] x [c, Dk] -> [Tk, Dk]
+            dv[index] += weights.T @ ga  # [Tk, c] x [c, Dv] -> [Tk, Dv]
+    return (tuple(out[False]), tuple(out[True])) if both else tuple(out[absolute])
+
+
+def reference_grads_and_terms(q, k, v, mask, grad_out):
+    """(the reference gradients, their absolute terms) as :func:`reference_grads` gives each; at long lengths
+    from one pass over the float64 weights (each chunk's softmax computed once for both)."""
+    if chunked.fits(q, k, v, mask):
+        return reference_grads(q, k, v, mask, grad_out), reference_grads(q, k, v, mask, grad_out, absolute=True)
+    return _chunked_reference_grads(q, k, v, mask, grad_out, scale=_scale(q, None), absolute=False, both=True)
 
 
 def naive_grads(impl, q, k, v, mask, grad_out):
@@ -131,18 +145,19 @@ def fused_attention(q, k, v, mask=None):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def grad_budgets(q, k, v, mask, grad_out, ref_grads) -> tuple[float, float, float]:
+def grad_budgets(q, k, v, mask, grad_out, ref_grads, terms=None) -> tuple[float, float, float]:
     """The largest error a correct implementation may show in dQ, dK and dV on these inputs.
 
     At lengths where the scores do not fit in one chunk, the same-dtype sample is torch's fused attention
-    (autograd through the two naive forms, a chunk of rows at a time, costs 20 to 40 calls of it there)."""
+    (autograd through the two naive forms, a chunk of rows at a time, costs 20 to 40 calls of it there).
+    ``terms``: the absolute terms of the closed form, when already computed (reference_grads_and_terms)."""
     naive = [0.0, 0.0, 0.0]
     long = not chunked.fits(q, k, v, mask) and (mask is None or mask.dtype == torch.bool)
     for impl in (fused_attention,) if long else (naive_attention, seed_attention):  # one ordering can be lucky
         for i, (got, ref) in enumerate(zip(naive_grads(impl, q, k, v, mask, grad_out), ref_grads)):
             err = max_error(got, ref)
             naive[i] = max(naive[i], err if math.isfinite(err) else 0.0)  # overflowed: the floor judges
-    terms = reference_grads(q, k, v, mask, grad_out, absolute=True)
+    terms = terms or reference_grads(q, k, v, mask, grad_out, absolute=True)
     score = q.detach().abs().amax().item() * k.detach().abs().amax().item() * q.shape[-1] * _scale(q, None) \
         if q.numel() and k.numel() else 0.0  # the bound on |scaled score| that tolerance.floor_unit uses
     length = math.sqrt(q.shape[-2] + k.shape[-2] + v.shape[-1]) + min(score, 1e6)
