@@ -144,15 +144,18 @@ def reference_output(q, k, v, mask=None, *, scale=None, causal=False, causal_ali
 
 def row_peaks(q, k, mask=None, *, scale=None):
     """[..., Tq] float64: each row's scaled score of largest magnitude among its allowed keys (signed;
-    0 for a row with none), chunk by chunk."""
+    0 for a row with none), chunk by chunk. Where the scores do not fit in one chunk they are computed
+    in float32 (float64 inputs: float64): a peak that sets a gain need not be exact, and float64 costs
+    twice as much there."""
     batch = batch_shape(q, k, k, mask)
     peaks = torch.zeros(*batch, q.shape[-2], dtype=F64, device=compute_device(q))  # [..., Tq]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     chunks = row_chunks(q.shape[-2], k.shape[-2], chunk_bytes_for(compute_device(q)))
+    dtype = F64 if fits(q, k, k, mask) or q.dtype == F64 else torch.float32
     for index, q_e, k_e, _, mask_e in elements(q, k, k, mask):
-        k64 = k_e.to(peaks.device, F64)  # [Tk, Dk]
+        k_c = k_e.to(peaks.device, dtype)  # [Tk, Dk]
         for rows in chunks:
-            s, masked = chunk_scores(q_e[rows].to(peaks.device, F64), k64, mask_e, rows, q.shape[-2], scale=scale)
+            s, masked = chunk_scores(q_e[rows].to(peaks.device, dtype), k_c, mask_e, rows, q.shape[-2], scale=scale)
             if masked:
                 s.masked_fill_(torch.isneginf(s), 0.0)  # [c, Tk], the peak is picked among allowed keys
             peaks[index][rows] = s.gather(-1, s.abs().argmax(dim=-1, keepdim=True))[:, 0]
