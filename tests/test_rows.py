@@ -65,9 +65,12 @@ def test_one_reference_per_case_shared_and_bounded(monkeypatch):
     assert rows.reference(q2, k, v) is not first  # one value differs: computed again
     q[0, 0, 0, 0] += 1.0  # the caller writes into its tensors: the copies kept are unchanged
     assert rows.reference(q, k, v) is not first
-    monkeypatch.setitem(rows.CACHE_BYTES, "cpu", 1)
-    rows.reference(q2, k, v, causal=True)
-    assert len(rows._CACHE) == 1  # beyond the bound only the newest is kept
+    inputs = rows._nbytes(q, k, v)
+    monkeypatch.setitem(rows.CACHE_BYTES, "cpu", int(2.1 * inputs))
+    newest = rows.reference(q2, k, v, causal=True)
+    assert list(rows._CACHE.values())[-1][1] is newest and len(rows._CACHE) == 1  # beyond the bound: the newest
+    monkeypatch.setitem(rows.CACHE_BYTES, "cpu", inputs)  # inputs above half the bound: neither copied nor kept
+    assert rows.reference(q, k, v, causal=True).why is not None and len(rows._CACHE) == 1
     rows.clear()
 
 

@@ -171,7 +171,8 @@ class Reference:
 
     def holds(self, got, factor: float = 1.0) -> bool:
         """``got`` is within ``factor`` budgets of the reference (and, on a long case, of the fast one on every row)."""
-        if self.error(got) > factor * self.budget or not math.isfinite(self.error(got)):
+        err = self.error(got)
+        if not (math.isfinite(err) and err <= factor * self.budget):
             return False
         return self.why is None or max_error(got, self.fast()) <= factor * self.fast_budget()
 
@@ -262,7 +263,8 @@ def _same(a, b) -> bool:
 
 def reference(q, k, v, mask=None, *, scale=None, causal=False, causal_alignment="top-left") -> Reference:
     """The case's :class:`Reference`, computed once: a long case's is kept (with copies of its inputs, so that
-    a target writing into them cannot change what is found) and given again for the same input values."""
+    a target writing into them cannot change what is found) and given again for the same input values. Inputs
+    larger than half the cache's bound (a causal [n_q, n_kv] mask at 64k keys is 4 GiB) are not copied or kept."""
     options = dict(scale=scale, causal=causal, causal_alignment=causal_alignment)
     if not sampled(q, k, v, mask):
         return _build(q, k, v, mask, options)
@@ -272,10 +274,12 @@ def reference(q, k, v, mask=None, *, scale=None, causal=False, causal_alignment=
         if found_key == key and all(_same(a, b) for a, b in zip(copies, (q, k, v, mask))):
             _CACHE.move_to_end((found_key, i))
             return ref
+    limit = CACHE_BYTES.get(q.device.type, CACHE_BYTES["cpu"])
+    if 2 * _nbytes(q, k, v, mask) > limit:
+        return _build(q, k, v, mask, options)
     copies = tuple(None if t is None else t.detach().clone() for t in (q, k, v, mask))
     ref = _build(*copies, options)
     _CACHE[(key, id(ref))] = (copies, ref)
-    limit = CACHE_BYTES.get(q.device.type, CACHE_BYTES["cpu"])
     while len(_CACHE) > 1 and sum(_nbytes(*c, r.exact, r._fast) for c, r in _CACHE.values()) > limit:
         _CACHE.popitem(last=False)
     return ref
