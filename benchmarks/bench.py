@@ -41,7 +41,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from bench_scale import SDPA, ladder_rows
+from bench_scale import SDPA, ladder_rows, measure_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_TARGET = f"{ROOT / 'examples' / 'seed_attention.py'}:attention"
@@ -324,7 +324,8 @@ def main() -> None:
          "bugs": lambda: bench_bugs(rows), "diagnosis": lambda: bench_diagnosis(rows),
          "grade": lambda: bench_grade(rows, args.n),
          "spread": lambda: bench_spread(rows, torch_s, args.seeds), "selftest": lambda: bench_selftest(rows),
-         "ladder": lambda: rows.extend(ladder_rows(SDPA, "cpu", args.ladder_lengths, [], [], 3600))}[section]()
+         "ladder": lambda: rows.extend(measure_rows(ladder_rows(SDPA, "cpu", args.ladder_lengths, [], [], 3600)))
+         }[section]()
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

@@ -13,7 +13,8 @@ Each rung (one shape, one dtype) runs in a fresh process (``--worker``) that
 1. warms up (imports, every kernel's first call) with a tiny fixed-shape check;
 2. runs the target alone on every case the check will give it, forward and backward: the target's
    own peak memory (its inputs, workspace, output and gradients) and time;
-3. runs ``attn_spec.check(target, shapes=[shape])`` with the target's calls timed.
+3. runs ``attn_spec.check(target, shapes=[shape])`` with the target's calls timed, forward and backward
+   (``Target._vjp`` whole: the leaf copies it makes are O(n d)).
 The kit's share of the time is the check's wall time outside the target's calls; its share of the
 memory is what the check adds on top of the target's own peak: on the CPU the rise of ru_maxrss
 (every allocator: torch, Python, glibc; tracemalloc would see Python's only), on a GPU the rise of
@@ -77,6 +78,21 @@ def worker(spec: str, shape: str, dtype: str, device: str, only: list[str]) -> d
             sync()
             inside[0] += time.perf_counter() - start
 
+    from attn_spec.targets import base
+
+    own_vjp = base.Target._vjp
+
+    def timed_vjp(self, *args):  # the target's backward is its own time too (the forward inside is timed above)
+        before = inside[0]
+        sync()
+        start = time.perf_counter()
+        try:
+            return own_vjp(self, *args)
+        finally:
+            sync()
+            inside[0] = before + time.perf_counter() - start
+
+    base.Target._vjp = timed_vjp
     props = select(only or None)
     convention = make_target(fn).convention
     attn_spec.check(timed, shapes=["1,2,1,8,64,16"], dtypes=[dtype], devices=[device], seed=0, only=only or None,
@@ -175,6 +191,13 @@ def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=()
                      f"time grows as n^2: one check there would take about {t1 * (n_max / n1) ** 2 / 3600:.1f} h",
                      "", ""])
     return rows
+
+
+def measure_rows(rows) -> list[list]:
+    """The ladder's rows in bench.py's five columns (measure, figure, detail, target, met)."""
+    return [[rung, check if not own else f"{check}, {ratio} the target's own calls",
+             f"target {own}, kit {kit}; {detail}" if own else detail, goal, met]
+            for rung, check, own, kit, ratio, detail, goal, met in rows]
 
 
 def gpu_conformance_rows(timeout) -> list[list]:
