@@ -167,7 +167,7 @@ def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=()
             r = run_rung(spec, str(shape), dtype, device, only, timeout)
             label = f"check at {shape} ({dtype}, {device})"
             if "error" in r:
-                rows.append([label, "error", r["error"], "", "", "", "", ""])
+                rows.append([label, "error", "", "", "", r["error"], "", ""])
                 continue
             kit_mem, own_mem = max(r["peak"] - r["base"], 0), r["base"] - r["start"]
             ratio = r["wall"] / max(r["target_s"], 1e-9)
