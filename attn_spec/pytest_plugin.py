@@ -272,7 +272,7 @@ class PropertyItem(_AttnItem):
                 failed.add(self.prop.id)
             note = (f"note: {blockers[0]} already failed on this target, and its failure explains this one: "
                     f"fix that first" if blockers else "")
-            if diagnosis is not None and diagnosis.mistake and not diagnosis.guess:
+            if diagnosis is not None and diagnosis.named:
                 if diagnosis.mistake in named:
                     note = (f"note: {named[diagnosis.mistake]} already failed on this target with the same root "
                             f"({diagnosis.mistake}): fix that first")

@@ -32,8 +32,8 @@ def snapshot(t):
 def _copy_out(out):
     if isinstance(out, torch.Tensor):
         return out.detach().to("cpu", copy=True)
-    if isinstance(out, (tuple, list)):
-        return tuple(_copy_out(x) for x in out)
+    if isinstance(out, (tuple, list)):  # a list stays a list: the diagnosis names what came back
+        return type(out)(_copy_out(x) for x in out) if type(out) in (tuple, list) else tuple(map(_copy_out, out))
     return out
 
 

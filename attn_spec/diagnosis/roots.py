@@ -1,6 +1,9 @@
 """One root per bug: group a target's failures by the cause that explains them.
 
 A failure is explained by a root when the evidence says so, in this order:
+0. what the calls show before any relation is judged (attn_spec.diagnosis.measured): an output that is
+   no tensor (a NumPy array, a list, None) is one root named by its type; K transposed over the wrong
+   axes (right on 2-D inputs, crashing where those dims differ) is one root named from the shapes;
 1. a crash: the same exception raised at the same line of the target's code is one root;
 2. NaN or inf out of finite inputs is one root, found first (no lesson is drawn from NaN vs NaN);
 3. randomness: the same input giving different outputs explains every failure that does not replay;
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attn_spec.diagnosis import measured
 from attn_spec.diagnosis.evidence import FailureEvidence, judge_randomness
 
 
@@ -27,6 +31,12 @@ class Diagnosis:
     guess: bool = False  # the nearest model only: it does not reproduce every call
     traceback: str = ""  # the target's own traceback, for a crash
     params: dict = field(default_factory=dict)
+    measured: bool = False  # named by a measurement of the calls (attn_spec.diagnosis.measured), not a model
+
+    @property
+    def named(self) -> bool:
+        """Does the root name its cause (a model that reproduces the calls, or a measurement)?"""
+        return bool(self.mistake and not self.guess) or self.measured
 
     def to_dict(self) -> dict:
         return {"root": self.root, "mistake": self.mistake, "sentence": self.sentence, "fix": self.fix,
@@ -103,6 +113,11 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         for p in pids:
             if p in left:
                 left.remove(p)
+
+    # 0. what the calls returned and the shapes they crashed on
+    for root in _measured_roots(evidences, left, order):
+        roots.append(root)
+        take(root.explains)
 
     # 1. crashes: one root per exception type and line of the target's code
     crashes: dict[tuple, list[str]] = {}
@@ -184,6 +199,34 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         roots.append(_unexplained(p, ev))
     take(left[:])
     return _merged(roots, order, mistakes)
+
+
+def _measured_roots(evidences, left, order) -> list[Diagnosis]:
+    """Roots that the recorded calls name by themselves (attn_spec.diagnosis.measured)."""
+    mine = {p: evidences[p] for p in left}
+    returned = measured.returned_type(mine)
+    if returned:
+        words, why, pids = returned
+        fit = next((f for p in pids for f in evidences[p].fits if f.mistake.id == "returns-tuple"), None)
+        if fit is not None:  # the tuple is (output, weights): the model says so, and explains every failure
+            root = _from_fits([fit], pids, order, evidences)
+            root.measured = True
+            return [root]
+        return [Diagnosis(pids[0], None, f"returns {words}: return a torch.Tensor ({why})",
+                          "return the output as a torch.Tensor of shape [..., n_q, d_v], computed with torch "
+                          "operations (so that autograd reaches Q, K and V)", sorted(pids, key=order.index),
+                          f"{_plural(len(pids), 'failing property')} got {words} back from the target where "
+                          f"the convention returns a tensor; no property's relation was judged", measured=True)]
+    wrong = measured.wrong_transpose(mine)
+    if wrong:
+        (a, b), pids, pattern = wrong
+        return [Diagnosis(pids[0], None, f"K is transposed over the wrong axes: K.transpose({a}, {b}) instead of "
+                                         f"K.transpose(-2, -1) on batched inputs",
+                          "scores = Q @ K.transpose(-2, -1): swap the last two axes, whatever the leading dims",
+                          sorted(pids, key=order.index),
+                          f"softmax(Q K.transpose({a}, {b}) scaled) V reproduces every call of "
+                          f"{_plural(len(pids), 'failing property')}, crashes included; {pattern}", measured=True)]
+    return []
 
 
 def _merged(roots: list[Diagnosis], order: list[str], mistakes) -> list[Diagnosis]:

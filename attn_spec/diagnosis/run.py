@@ -75,5 +75,5 @@ def diagnose_report(target, report, registry) -> None:
         for pid in d.explains:
             result = by_id[pid]
             result.blocked_by = None if pid == d.root else d.root
-            if d.mistake and not d.guess:
+            if d.named:
                 result.cause = d.sentence

@@ -281,7 +281,7 @@ def diagnosis_lines(d, pad: str = "  ") -> list[str]:
 def failure_text(result, diagnosis=None) -> str:
     """The lesson for one failed PropertyResult, as the CLI report prints it, with the root found for it
     on its own (``diagnosis``, see attn_spec.diagnosis.run.diagnose_one) and the target's traceback."""
-    if diagnosis is not None and diagnosis.mistake and not diagnosis.guess:
+    if diagnosis is not None and diagnosis.named:
         result.cause = diagnosis.sentence  # the likely cause is the mistake that reproduces the failure
     lines = [failure_section(result, markdown=False)] + diagnosis_lines(diagnosis)
     trace = (result.counterexample or {}).get("traceback") or getattr(diagnosis, "traceback", "")
@@ -315,7 +315,7 @@ def root_section(d, index: int, total: int, results: dict, markdown: bool, colou
         lines.append("\n" + failure_section(shown, markdown, colour))
     others = [results[p] for p in d.explains if p != d.root and p in results]
     if others:
-        lines.append(f"{bullet}{'also failing because of this root' if d.mistake and not d.guess else 'blocked by it'}"
+        lines.append(f"{bullet}{'also failing because of this root' if d.named else 'blocked by it'}"
                      f" (fix it first):")
         lines += [f"{'  - ' if markdown else pad * 2}{p.id}: {_short(p.message, 160)}" for p in others]
     return "\n".join(lines)

@@ -72,8 +72,11 @@ def _call(fn, args, call: str, state: StateGuard):
 def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     """The output must be a tensor of the contract's shape."""
     if not isinstance(out, torch.Tensor):
-        fail(f"a {type(out).__name__}", what="the output", expected=f"a torch.Tensor of shape {list(shape)}",
-             call=call, cause="the function must return the output tensor (only the output, not a tuple)")
+        from attn_spec.diagnosis.measured import type_words  # the diagnosis names the root by the same words
+
+        words, why = type_words(out)
+        fail(words, what="the output", expected=f"a torch.Tensor of shape {list(shape)}",
+             call=call, cause=f"returns {words}: return a torch.Tensor ({why})")
     if tuple(out.shape) != tuple(shape):
         fail(f"{list(out.shape)}", what="the output's shape", expected=f"{list(shape)}", call=call,
              cause="the output must be [..., n_q, d_v]: one row per query, as wide as V")
