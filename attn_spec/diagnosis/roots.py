@@ -31,7 +31,16 @@ class Diagnosis:
     guess: bool = False  # the nearest model only: it does not reproduce every call
     traceback: str = ""  # the target's own traceback, for a crash
     params: dict = field(default_factory=dict)
+    consistent_with_passing: bool = True  # its model predicts what the target returned where properties passed
+    ambiguous: list = field(default_factory=list)  # models of other families that tie with it on every failure
+    not_judged: list = field(default_factory=list)  # failures whose relation never ran: a crash, no tensor back
+    unproven: list = field(default_factory=list)  # failures put here by the catalog's order, with no evidence
     measured: bool = False  # named by a measurement of the calls (attn_spec.diagnosis.measured), not a model
+
+    @property
+    def evidenced(self) -> list[str]:
+        """The failures the evidence puts at this root (``explains`` less those the catalog's order put here)."""
+        return [p for p in self.explains if p not in self.unproven]
 
     @property
     def named(self) -> bool:
@@ -40,8 +49,10 @@ class Diagnosis:
 
     def to_dict(self) -> dict:
         return {"root": self.root, "mistake": self.mistake, "sentence": self.sentence, "fix": self.fix,
-                "explains": list(self.explains), "evidence": self.evidence, "guess": self.guess,
-                "traceback": self.traceback or None}
+                "explains": self.evidenced, "blocked": [p for p in self.explains if p in self.unproven],
+                "evidence": self.evidence, "guess": self.guess,
+                "traceback": self.traceback or None, "consistent_with_passing": self.consistent_with_passing,
+                "ambiguous": list(self.ambiguous), "not_run": [p for p in self.explains if p in self.not_judged]}
 
 
 def _key(fit) -> tuple:
@@ -68,11 +79,15 @@ def _from_fits(fits: list, pids: list[str], order: list[str], evidences) -> Diag
                 f"within the error budget")
     if fit.messages:
         evidence += "; it raises the very exception the target raised"
-    others = [f.mistake.id for f in fits[1:3]]
-    if others:
-        evidence += f"; also consistent with: {', '.join(others)}"
+    related = [f.mistake.id for f in fits[1:] if f.mistake.family == m.family][:2]
+    ambiguous = list(dict.fromkeys(f.mistake.id for f in fits[1:] if f.mistake.family != m.family))
+    if related:
+        evidence += f"; so does {', '.join(related)} ({m.family}, the same family)"
+    if ambiguous:
+        evidence += (f"; ambiguous: {', '.join(ambiguous)}, of other families, reproduce every failing call as well "
+                     f"(no failure tells them apart)")
     return Diagnosis(shown, m.id, m.describe(fit.params), m.fix_for(fit.params),
-                     sorted(pids, key=order.index), evidence, params=dict(fit.params))
+                     sorted(pids, key=order.index), evidence, params=dict(fit.params), ambiguous=ambiguous)
 
 
 def _rank(fit, pids, evidences):
@@ -159,17 +174,19 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         judged = judge_randomness(target, mistakes) if target is not None else None
         # outputs that change from call to call cannot be trusted to show another bug: fix this first
         pids = random + [p for p in left if p not in random]
+        unproven = [p for p in pids if p not in random]
         shown = "determinism" if "determinism" in pids else pids[0]
         evidence = (f"the same inputs gave different outputs when {_plural(len(random), 'failing property')} "
                     f"were replayed")
         if judged:
             m, params = judged
             roots.append(Diagnosis(shown, m.id, m.describe(params), m.fix_for(params), sorted(pids, key=order.index),
-                                   evidence + f"; repeated readings of one input's weights match {m.id}", params=params))
+                                   evidence + f"; repeated readings of one input's weights match {m.id}", params=params,
+                                   unproven=unproven))
         else:
             roots.append(Diagnosis(shown, None, "the output changes from call to call on the same input",
                                    "remove randomness and state from inference (dropout, noise, caches)",
-                                   sorted(pids, key=order.index), evidence))
+                                   sorted(pids, key=order.index), evidence, unproven=unproven))
         take(pids)
 
     # 4. mistake models: roots found so far absorb what their model reproduces, then the best cover
@@ -193,8 +210,9 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
             stateful.explains = sorted(stateful.explains + [p], key=order.index)
             continue
         blocker = next((r for r in roots for b in after.get(p, ()) if b in r.explains), None)
-        if blocker is not None:
+        if blocker is not None:  # the catalog's order, not evidence: blocked, not explained
             blocker.explains = sorted(blocker.explains + [p], key=order.index)
+            blocker.unproven.append(p)
             continue
         roots.append(_unexplained(p, ev))
     take(left[:])
@@ -238,7 +256,9 @@ def _merged(roots: list[Diagnosis], order: list[str], mistakes) -> list[Diagnosi
         if same is None:
             out.append(root)
             continue
+        shown = set(same.evidenced) | set(root.evidenced)
         same.explains = sorted(set(same.explains) | set(root.explains), key=order.index)
+        same.unproven = [p for p in same.explains if p not in shown]
         same.traceback = same.traceback or root.traceback
         same.evidence = f"{same.evidence}; {root.evidence}"
     for root in out:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from attn_spec.checking import chunked
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.model import MISTAKES
+from attn_spec.diagnosis.passing import Consistency, keep_consistent, passing_calls
 from attn_spec.diagnosis.roots import Diagnosis, group
 
 
@@ -47,13 +50,36 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
         if case is not None and replayable(case):
             evidences[r.id] = gather(r.id, registry[r.id].fn, target, case, shortlist=shortlist)
             shortlist += [f.mistake.id for f in evidences[r.id].fits if f.mistake.id not in shortlist]
+    consistency = Consistency(passing_calls(target, results, registry, replayable) if evidences else {})
+    keep_consistent(evidences, consistency)
     after = {pid: registry[pid].after for pid in registry}
     roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
                   mistakes=list(MISTAKES.values()))
+    for root in roots:
+        judge_against_passing(root, consistency)
+        root.not_judged = [p for p in root.explains if p != root.root and p in evidences and _not_judged(evidences[p])]
     if vacuous and roots:
         home = next((d for d in roots if "matches-reference" in d.explains), roots[0])
         home.explains = sorted(home.explains + vacuous, key=order.index)
+        home.unproven += vacuous  # vacuous: no evidence of a mistake of their own
     return roots
+
+
+def _not_judged(ev) -> bool:
+    """Did the failure stop before its property's relation was judged (the target raised, or returned no tensor)?"""
+    return ev.crash is not None or any(c.kind in ("attend", "multihead") and c.error is None and c.kept
+                                       and not isinstance(c.out, torch.Tensor) for c in ev.calls)
+
+
+def judge_against_passing(root: Diagnosis, consistency: Consistency) -> None:
+    """Mark ``root`` consistent with the passing properties or not (a guess may contradict one)."""
+    m = MISTAKES.get(root.mistake or "")
+    against = consistency.contradicted(m, root.params) if m is not None else []
+    root.consistent_with_passing = not against
+    if against:
+        root.evidence += f"; it contradicts {', '.join(against)}, which passed"
+    elif m is not None and consistency.checked():
+        root.evidence += f"; it agrees with the {len(consistency.passing)} passing properties' recorded calls"
 
 
 def diagnose_one(target, result, registry, *, shortlist=()) -> Diagnosis | None:

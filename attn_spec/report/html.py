@@ -176,7 +176,9 @@ def _root(d, index: int, total: int, results: dict) -> str:
     if d.fix:
         parts.append(f"<p><b>fix:</b> {escape(d.fix)}</p>")
     parts.append(f"<p><b>evidence:</b> {escape(d.evidence)}</p>")
-    parts.append(f"<p><b>explains:</b> {escape(', '.join(d.explains))}</p>")
+    parts.append(f"<p><b>explains:</b> {escape(', '.join(d.evidenced))}</p>")
+    if d.unproven:
+        parts.append(f"<p><b>blocked</b> (no evidence of their own): {escape(', '.join(d.unproven))}</p>")
     if d.traceback:
         parts.append(f"<p><b>traceback of the target:</b></p><pre>{escape(d.traceback)}</pre>")
     if d.root in results:

@@ -80,7 +80,16 @@ class TargetReport:
             return f"CONFORMS ({known})" if known else "CONFORMS"
         if not self.failures and not self.checked:
             return "NOTHING CHECKED (no property ran on any input the target takes)"
-        return f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{'; ' + known if known else ''})"
+        return (f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{self._per_root()}"
+                f"{'; ' + known if known else ''})")
+
+    def _per_root(self) -> str:
+        """``: 12 at root 1, 3 at root 2`` where there are several roots: how many failures each accounts for."""
+        if len(self.diagnoses) < 2:
+            return ""
+        failing = {p.id for p in self.failures}
+        counts = [sum(pid in failing for pid in d.explains) for d in self.diagnoses]
+        return ": " + ", ".join(f"{n} at root {i}" for i, n in enumerate(counts, 1))
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,

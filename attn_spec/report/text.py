@@ -211,14 +211,15 @@ def picture_text(picture: dict) -> str:
 
 
 def _summary_rows(target: TargetReport):
-    roots = {pid: (i, d.root) for i, d in enumerate(target.diagnoses, 1) for pid in d.explains}
+    roots = {pid: (i, d.root, d) for i, d in enumerate(target.diagnoses, 1) for pid in d.explains}
     for p in target.properties:
         if p.status == "not-run":
             continue  # one line below the table says how many and why
         verdict = p.status if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
         if p.status == "fail" and p.id in roots:
-            i, shown = roots[p.id]
-            verdict = f"fail (root {i})" if shown == p.id else f"fail (root {i}: blocked by {shown})"
+            i, shown, d = roots[p.id]
+            verdict = (f"fail (root {i})" if shown == p.id else f"not run (root {i})" if p.id in d.not_judged
+                       else f"fail (root {i}: blocked by {shown})")
         verdict += " (expected)" if p.expected else ""
         yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
 
@@ -305,8 +306,11 @@ def root_section(d, index: int, total: int, results: dict, markdown: bool, colou
     if d.fix:
         lines.append(f"{bullet}fix: {d.fix}")
     lines.append(f"{bullet}evidence: {d.evidence}")
-    lines.append(f"{bullet}explains: {', '.join(d.explains)}"
+    lines.append(f"{bullet}explains: {', '.join(d.evidenced)}"
                  + (f" (attn-spec explain {d.mistake} for the lesson)" if d.mistake else ""))
+    if d.unproven:
+        lines.append(f"{bullet}blocked (failing too, with no evidence of their own; fix the root first): "
+                     f"{', '.join(p for p in d.explains if p in d.unproven)}")
     if d.traceback:
         lines.append(f"{bullet}traceback of the target:")
         lines.append("```\n" + d.traceback + "\n```" if markdown else "\n".join(pad * 2 + x for x in d.traceback.splitlines()))

@@ -1,0 +1,80 @@
+"""What passed is evidence too: a mistake model is named only if it agrees with the properties that passed.
+
+A model that reproduces every call of a failure can still be the wrong story: "the weights are
+log_softmax(scores)" while ``rows-sum-to-one`` passed. Each passing property's first explicit example
+is replayed once with its calls kept (the target passed it: its outputs there are right by the
+property's relation), and a model is consistent with it when it predicts what the target returned on
+those calls, within the same error budget as for a failure. A model that predicts otherwise on a
+passing call contradicts what was measured and is not named.
+"""
+from __future__ import annotations
+
+from attn_spec.diagnosis import replay
+from attn_spec.diagnosis.evidence import one_thread, record
+from attn_spec.diagnosis.predict import observed, predict
+
+
+def passing_calls(target, results, registry, replayable) -> dict[str, replay.Evidence]:
+    """property id -> the recorded calls of one example it passed on (``replayable(case)``: small enough)."""
+    out = {}
+    for r in results:
+        if r.status != "pass" or r.id not in registry:
+            continue
+        prop = registry[r.id]
+        for case in prop.examples_for(target.convention)[:2]:
+            if not replayable(case):
+                continue
+            calls, raised = record(prop.fn, target, case)
+            ev = replay.Evidence(calls)
+            if raised is None and ev.calls:
+                out[r.id] = ev
+                break
+    return out
+
+
+class Consistency:
+    """Which passing properties a model (with its parameters) contradicts, memoised per model and setting."""
+
+    def __init__(self, passing: dict[str, replay.Evidence]):
+        self.passing = passing
+        self._seen: dict[tuple, list[str]] = {}
+
+    def contradicted(self, mistake, params: dict) -> list[str]:
+        """The passing properties on one of whose calls ``mistake`` predicts other than the target returned."""
+        key = (mistake.id, tuple(sorted(params.items())))
+        if key not in self._seen:
+            with one_thread():
+                self._seen[key] = [pid for pid, ev in self.passing.items() if not _agrees(mistake, params, ev)]
+        return self._seen[key]
+
+    def checked(self) -> bool:
+        return bool(self.passing)
+
+
+def _agrees(mistake, params, ev: replay.Evidence) -> bool:
+    if mistake.level == "stochastic":
+        return True
+    state = {}
+    for i, call in enumerate(ev.calls):
+        pred = predict(mistake, call, params, state)
+        if pred is not None and replay.mismatch(pred, observed(call), ev.budgets(i, mistake.precision)) > 1:
+            return False
+    return True
+
+
+def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, list[str]]:
+    """Drop from each failure's fits the models that contradict a passing property; a failure left with no
+    fit gets the first dropped one as its guess. Returns (mistake id, params) -> the properties it contradicts."""
+    dropped: dict[tuple, list[str]] = {}
+    for ev in evidences.values():
+        kept = []
+        for f in ev.fits:
+            against = consistency.contradicted(f.mistake, f.params)
+            if against:
+                dropped[(f.mistake.id, tuple(sorted(f.params.items())))] = against
+            else:
+                kept.append(f)
+        if ev.fits and not kept:
+            ev.guess = (ev.fits[0], ev.fits[0].calls)
+        ev.fits = kept
+    return dropped
