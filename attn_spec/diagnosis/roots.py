@@ -35,6 +35,7 @@ class Diagnosis:
     ambiguous: list = field(default_factory=list)  # models of other families that tie with it on every failure
     not_judged: list = field(default_factory=list)  # failures whose relation never ran: a crash, no tensor back
     unproven: list = field(default_factory=list)  # failures put here by the catalog's order, with no evidence
+    fit: dict | None = None  # a measured fit (attn_spec.diagnosis.fits): quantity, depends_on, formula, values
     measured: bool = False  # named by a measurement of the calls (attn_spec.diagnosis.measured), not a model
 
     @property
@@ -52,7 +53,8 @@ class Diagnosis:
                 "explains": self.evidenced, "blocked": [p for p in self.explains if p in self.unproven],
                 "evidence": self.evidence, "guess": self.guess,
                 "traceback": self.traceback or None, "consistent_with_passing": self.consistent_with_passing,
-                "ambiguous": list(self.ambiguous), "not_run": [p for p in self.explains if p in self.not_judged]}
+                "ambiguous": list(self.ambiguous), "not_run": [p for p in self.explains if p in self.not_judged],
+                **({"fit": self.fit} if self.fit else {})}
 
 
 def _key(fit) -> tuple:
@@ -186,7 +188,7 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         else:
             roots.append(Diagnosis(shown, None, "the output changes from call to call on the same input",
                                    "remove randomness and state from inference (dropout, noise, caches)",
-                                   sorted(pids, key=order.index), evidence, unproven=unproven))
+                                   sorted(pids, key=order.index), evidence, unproven=unproven, measured=True))
         take(pids)
 
     # 4. mistake models: roots found so far absorb what their model reproduces, then the best cover
@@ -217,6 +219,32 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         roots.append(_unexplained(p, ev))
     take(left[:])
     return _merged(roots, order, mistakes)
+
+
+def generic(d: Diagnosis) -> bool:
+    """A root that names nothing: no model, no measurement, no crash of the target's (a guess included)."""
+    return not d.named and not d.traceback
+
+
+def settle(roots: list[Diagnosis], order: list[str], measure=None) -> list[Diagnosis]:
+    """Generic roots last, as one section of unexplained symptoms. Where no root names anything, the target is
+    measured (``measure()``: attn_spec.diagnosis.fits.measure) and a fit that finds something names one root."""
+    named = [d for d in roots if not generic(d)]
+    rest = [d for d in roots if generic(d)]
+    if len(rest) < 1 or (named and len(rest) < 2):
+        return named + rest
+    found = measure() if measure is not None and not named else None
+    pids = sorted({p for d in rest for p in d.explains}, key=order.index)
+    shown = [d.root for d in rest]
+    if found is not None:
+        one = Diagnosis(shown[0], None, found.sentence, found.fix, pids,
+                        f"measured on purpose-built calls: {found.numbers}", measured=True, fit=found.to_dict())
+    else:
+        one = Diagnosis(shown[0], None, "unexplained: no mistake model and no measured fit (batch mixing, the "
+                                        "normaliser, the scale against the shapes) accounts for these failures", "",
+                        pids, "; ".join(f"{d.root}: {d.evidence}" for d in rest))
+    one.unproven = [p for p in pids if p not in shown]
+    return named + [one]
 
 
 def _measured_roots(evidences, left, order) -> list[Diagnosis]:
@@ -280,7 +308,8 @@ def _unexplained(pid: str, ev: FailureEvidence) -> Diagnosis:
     if not ev.reproduced:
         return Diagnosis(pid, None, "the failure does not happen again when its input is replayed: the target "
                                     "depends on earlier calls (state kept between calls?)",
-                         "keep no state between calls", [pid], "replayed on fresh instances, the property held")
+                         "keep no state between calls", [pid], "replayed on fresh instances, the property held",
+                         measured=True)
     if ev.guess:
         fit, agreed = ev.guess
         m = fit.mistake

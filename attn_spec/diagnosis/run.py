@@ -10,7 +10,9 @@ from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.model import MISTAKES
 from attn_spec.diagnosis.passing import Consistency, keep_consistent, passing_calls
-from attn_spec.diagnosis.roots import Diagnosis, group
+from attn_spec.diagnosis import fits
+from attn_spec.diagnosis.roots import Diagnosis, group, settle
+from attn_spec.targets.base import FUNCTION_CONVENTIONS
 
 
 def case_of(result):
@@ -55,6 +57,8 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     after = {pid: registry[pid].after for pid in registry}
     roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
                   mistakes=list(MISTAKES.values()))
+    roots = settle(roots, order, measure=lambda: fits.measure(target) if target.convention in FUNCTION_CONVENTIONS
+                   else None)
     for root in roots:
         judge_against_passing(root, consistency)
         root.not_judged = [p for p in root.explains if p != root.root and p in evidences and _not_judged(evidences[p])]
