@@ -319,39 +319,74 @@ def mistake_sections(mistake_id: str) -> dict:
             "code": m.code, "recognise": recognise, "example": _mistake_example(m)}
 
 
-def _mistake_example(m) -> str:
-    """The model next to the correct formula on the lessons' Q, K, V (a causal mask where it matters)."""
+def _example_calls(m):
+    """(call, lines describing its inputs) for a worked example, in order: the lessons' Q, K, V first, then
+    inputs that tell more mistakes from the correct formula (d_v != d_k, a batch of two, a wide d_k)."""
     from attn_spec.diagnosis.record import Call
-    from attn_spec.diagnosis.predict import CORRECT, predict
 
-    if m.level == "stochastic":
-        return ""
     mask = reference.causal_mask(2, 2) if m.family == "masking" else None
+    shown_mask = [_m("causal mask (True = may attend)", mask.double())] if mask is not None else []
     if m.level == "module":
         x = _t([[1.0, 0.5], [-1.0, 2.0]])
         eye = torch.eye(2, dtype=F64)
-        call = Call("multihead", {"x_q": x, "x_kv": x, "weights": {"W_Q": eye, "W_K": eye, "W_V": eye,
-                                                                     "W_O": _t([[1.0, 2.0], [0.0, 1.0]])},
-                                  "n_heads": 2, "mask": mask})
-        lines = [_m("x", x), "2 heads of width 1, W_Q = W_K = W_V = I"]
-    elif m.level == "backward":
-        call = Call("vjp", {"q": Q, "k": K, "v": V, "mask": mask, "grad_out": torch.ones(2, 2, dtype=F64)})
-        lines = _inputs() + ["G = ones: the gradients of sum(out)"]
-    else:
-        call = Call("attend", {"q": Q, "k": K, "v": V, "mask": mask})
-        lines = _inputs()
-    if mask is not None:
-        lines.append(_m("causal mask (True = may attend)", mask.double()))
-    names = ("out", "dQ", "dK", "dV") if m.level == "backward" else ("out",)
-    for who, model in (("correct", CORRECT), (m.id, m)):
-        pred = predict(model, call, m.typical if model is m else None)
+        yield Call("multihead", {"x_q": x, "x_kv": x, "weights": {"W_Q": eye, "W_K": eye, "W_V": eye,
+                                                                  "W_O": _t([[1.0, 2.0], [0.0, 1.0]])},
+                                 "n_heads": 2, "mask": mask}), [_m("x", x), "2 heads of width 1, W_Q = W_K = W_V = I",
+                                                                *shown_mask]
+        return
+    if m.level == "backward":
+        yield Call("vjp", {"q": Q, "k": K, "v": V, "mask": mask, "grad_out": torch.ones(2, 2, dtype=F64)}), \
+            _inputs() + ["G = ones: the gradients of sum(out)", *shown_mask]
+        return
+    yield Call("attend", {"q": Q, "k": K, "v": V, "mask": mask}), _inputs() + shown_mask
+    v3 = _t([[1.0, 2.0, 0.0], [3.0, 4.0, 1.0]])  # [Tk=2, Dv=3]: d_v != d_k
+    yield Call("attend", {"q": Q, "k": K, "v": v3, "mask": mask}), [_m("Q", Q), _m("K", K), _m("V (d_v = 3)", v3),
+                                                                    *shown_mask]
+    qb, kb, vb = (torch.stack([t, t.flip(0)]) for t in (Q, K, V))  # [B=2, 2, 2]
+    causal = reference.causal_mask(2, 2)
+    yield Call("attend", {"q": qb, "k": kb, "v": vb, "mask": causal}), [
+        "a batch of two: element 0 is Q, K, V; element 1 the same with rows reversed",
+        _m("causal mask (True = may attend)", causal.double())]
+    wide = torch.zeros(2, 256, dtype=F64)  # [T=2, Dk=256]
+    qw, kw = wide.clone(), wide.clone()
+    qw[:, :2], kw[:, :2], qw[:, 200], kw[:, 200] = Q, K, 1.0, torch.tensor([1.0, -1.0], dtype=F64)
+    yield Call("attend", {"q": qw, "k": kw, "v": V, "mask": mask}), [
+        "Q, K [2, 256]: the lessons' Q and K in columns 0-1, and column 200 (beyond a tile of 128) = 1 for Q, "
+        "[1, -1] for K", _m("V", V), *shown_mask]
+
+
+def example_call(m):
+    """(call, input lines, correct prediction, model's prediction) of the first example on which the model
+    differs from the correct formula (its output, or an input it writes into); the first one if none does."""
+    from attn_spec.diagnosis.predict import CORRECT, predict
+    from attn_spec.diagnosis.replay import mismatch
+
+    first = None
+    for call, lines in _example_calls(m):
+        good, bad = predict(CORRECT, call), predict(m, call, m.typical)
+        first = first or (call, lines, good, bad)
+        if good is not None and bad is not None and mismatch(bad, good, [1e-9] * 4) > 1:
+            return call, lines, good, bad
+    return first
+
+
+def _mistake_example(m) -> str:
+    """The model next to the correct formula on the first example that tells them apart."""
+    if m.level == "stochastic":
+        return ""
+    call, lines, good, bad = example_call(m)
+    lines = list(lines)
+    names = ("out", "dQ", "dK", "dV") if m.level == "backward" else ("out", "weights")
+    for who, pred in (("correct", good), (m.id, bad)):
         if pred is None or pred.error:
             lines.append(f"{who}: raises {pred.error[0] if pred else '?'}: {pred.error[1] if pred else ''}")
             continue
         parts = pred.out if isinstance(pred.out, tuple) else (pred.out,)
-        for name, part in zip(names if m.level == "backward" else ("out", "weights"), parts):
+        for name, part in zip(names, parts):
             if isinstance(part, torch.Tensor):
                 lines.append(_m(f"{who}: {name}", part.detach().double()))
+        for name, after in pred.changed.items():
+            lines.append(_m(f"{who}: {name} after the call (written in place)", after.detach().double()))
     return "\n".join(lines)
 
 

@@ -242,3 +242,31 @@ def test_randomness_is_recognised_from_repeated_readings():
     m, params = judge_randomness(make_target(dropout_left_on, "d", "function"), list(MISTAKES.values()))
     assert m.id == "dropout-at-inference" and abs(params["p"] - 0.25) < 1e-6
     assert judge_randomness(make_target(correct_einsum, "c", "function"), list(MISTAKES.values())) is None
+
+
+# Models whose worked example (attn-spec explain) still equals the correct output on every example input the
+# lessons try: each needs inputs of its own (an is_causal or scale argument, a window, a GQA layout, a
+# float64 cast, a non-contiguous or long input). Listed so that a fix shows: remove it from here.
+EXAMPLE_SAME = {
+    "exp-without-max", "max-over-tensor", "scores-clamped", "default-mask-square", "values-activation",
+    "mask-after-softmax-renormalised", "mask-fill-finite", "mask-bias-finite", "mask-scaled-with-scores",
+    "causal-hard-coded", "batch-sequence-first", "batch-flattened-with-view", "assumes-contiguous",
+    "view-on-strided-keys", "float64-not-cast-back", "kv-buffer-truncated", "kv-buffer-overflow", "gqa-tiled",
+    "gqa-first-kv-head", "scale-argument-ignored", "scale-argument-sqrt-split", "is-causal-ignored",
+    "is-causal-diagonal-masked", "window-off-by-one", "softcap-after-mask", "softcap-without-factor",
+    "gqa-kv-not-repeated", "kv-projections-swapped", "kv-cache-left-on", "backward-ignores-mask",
+    "values-detached", "output-detached"}
+
+
+@pytest.mark.parametrize("mid", [m for m in MISTAKES if MISTAKES[m].level != "stochastic"])
+def test_a_worked_example_differs_from_the_correct_output(mid):
+    """scale-d-v needs d_v != d_k, mask-first-batch-only a batch, head-dim-tile a wide d_k, an in-place
+    mistake the input it wrote into: the lesson picks the first example input that tells them apart."""
+    from attn_spec.diagnosis.replay import mismatch
+    from attn_spec.lessons import example_call
+
+    _, lines, good, bad = example_call(MISTAKES[mid])
+    differs = good is not None and bad is not None and mismatch(bad, good, [1e-9] * 4) > 1
+    assert differs == (mid not in EXAMPLE_SAME), mid
+    if bad is not None and bad.changed:
+        assert "written in place" in mistake_sections(mid)["example"]

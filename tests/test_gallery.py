@@ -49,6 +49,8 @@ def test_bug_is_caught_and_named(entry, record_property):
     record_property("diagnosed", (entry.name, named))  # conftest's summary: the diagnosis accuracy
     failed = {p.id for p in target.properties if p.status == "fail"}
     assert {pid for d in roots for pid in d.explains} == failed  # every failure belongs to a root
+    # no named root contradicts a property that passed: its model predicts the target's passing calls too
+    assert all(d.consistent_with_passing for d in roots if not d.guess), [d.evidence for d in roots]
     for d in roots:  # a root teaches: its failure's message, counterexample and reproduction
         shown = results[d.root]
         assert d.sentence and d.evidence and shown.message
