@@ -125,7 +125,9 @@ def header_lines(t: TargetReport) -> list[str]:
     """How the target is called, the probed behaviours, and the capabilities it has and lacks (with why)."""
     lines = list(t.notes)
     if t.behaviours:
-        lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items()))
+        lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items())
+                     + " (what the target does where conventions differ, probed on tiny inputs: a description, "
+                       "never a failure)")
     if t.capabilities:
         has = [name if value == "yes" else f"{name} ({value})" for name, value in t.capabilities.items()
                if value not in ("no", "raises", "error", "n/a", "unchecked")]
