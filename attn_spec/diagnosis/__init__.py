@@ -7,7 +7,12 @@
 - :mod:`~attn_spec.diagnosis.predict`: what a model does on one call;
 - :mod:`~attn_spec.diagnosis.replay`: which models reproduce the calls of a failure;
 - :mod:`~attn_spec.diagnosis.evidence`, ``roots``, ``run``: replays, one root per bug, the report;
-- :mod:`~attn_spec.diagnosis.numbers`: causes read from a property's numbers.
+- :mod:`~attn_spec.diagnosis.numbers`: causes read from a property's numbers;
+- :mod:`~attn_spec.diagnosis.measured`: roots the calls show by themselves (no tensor back, K transposed
+  over the wrong axes);
+- :mod:`~attn_spec.diagnosis.passing`: a model must agree with the calls of the properties that passed;
+- :mod:`~attn_spec.diagnosis.fits`: measured fits on purpose-built calls (the scale against the shapes, the
+  normaliser, batch mixing) for bugs no model catalogues.
 """
 # Import order is catalog order: the formula (scale, softmax, positions, shapes, values), masks, the code
 # around it, the ecosystem's options and layouts, multi-head plumbing, backward passes and state.
