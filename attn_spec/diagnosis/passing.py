@@ -9,9 +9,11 @@ passing call contradicts what was measured and is not named.
 """
 from __future__ import annotations
 
+import torch
+
 from attn_spec.diagnosis import replay
 from attn_spec.diagnosis.evidence import one_thread, record
-from attn_spec.diagnosis.predict import observed, predict
+from attn_spec.diagnosis.predict import predict
 
 
 def passing_calls(target, results, registry, replayable) -> dict[str, replay.Evidence]:
@@ -52,14 +54,34 @@ class Consistency:
 
 
 def _agrees(mistake, params, ev: replay.Evidence) -> bool:
+    """Does ``mistake`` predict the target's outputs on these passing calls? Only finite entries are compared:
+    where either side is NaN or inf (a row the mask emptied, a convention's free rows), a passing property
+    has already judged the target, and the model's own convention there may differ."""
     if mistake.level == "stochastic":
         return True
     state = {}
     for i, call in enumerate(ev.calls):
         pred = predict(mistake, call, params, state)
-        if pred is not None and replay.mismatch(pred, observed(call), ev.budgets(i, mistake.precision)) > 1:
-            return False
+        if pred is None or (pred.error is not None) != (call.error is not None):
+            if pred is not None:
+                return False
+            continue
+        budgets = ev.budgets(i, mistake.precision)
+        for k, (x, y) in enumerate(zip(_parts(pred.out), _parts(call.out))):
+            if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+                continue
+            if x.shape != y.shape:
+                return False
+            x, y = x.detach().to(torch.float64), y.detach().to(torch.float64)
+            both = torch.isfinite(x) & torch.isfinite(y)
+            budget = budgets[min(k, len(budgets) - 1)]
+            if both.any() and (x - y)[both].abs().max().item() > max(budget, 1e-12):
+                return False
     return True
+
+
+def _parts(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, list[str]]:
