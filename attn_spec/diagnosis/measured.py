@@ -108,14 +108,18 @@ def wrong_transpose(evidences: dict) -> tuple[tuple[int, int], list[str], str] |
     returned). The words of the crash pattern come from the calls: where it crashed and where it ran."""
     calls = list(_replayed_calls(evidences))
     batched = [c for _, c in calls if c.inputs["k"].dim() >= 3]
-    if not batched or not any(c.error for c in batched):
+    # a crash the right transpose would not raise (grouped K/V heads never repeated crash either way)
+    if not any(c.error and _predict(c, (-2, -1))[0] == "out" for c in batched):
         return None
     rank = max(c.inputs["k"].dim() for c in batched)
     for a, b in itertools.combinations(range(rank), 2):
         if (a, b) == (rank - 2, rank - 1):
             continue  # the right pair
-        if all(_agrees(c, _predict(c, (a, b))) for _, c in calls):
-            return (a, b), sorted({pid for pid, _ in calls}), _pattern(batched, (a, b))
+        differ = [c for c in batched if c.error and c.inputs["k"].shape[a] != c.inputs["k"].shape[b]]
+        if differ and all(_agrees(c, _predict(c, (a, b))) for _, c in calls):
+            pids = sorted({pid for pid, _ in calls})
+            # the story of every failure, or of none: a pair that reproduces a few crashes is a coincidence
+            return ((a, b), pids, _pattern(batched, (a, b))) if set(pids) == set(evidences) else None
     return None
 
 

@@ -16,9 +16,17 @@ from attn_spec.diagnosis.evidence import one_thread, record
 from attn_spec.diagnosis.predict import predict
 
 
+CHECKED = ("function", "module")  # conventions whose calls the kit makes as is (the ecosystem's are translated)
+
+
 def passing_calls(target, results, registry, replayable) -> dict[str, replay.Evidence]:
-    """property id -> the recorded calls of one example it passed on (``replayable(case)``: small enough)."""
+    """property id -> the recorded calls of one example it passed on (``replayable(case)``: small enough).
+    Only for the kit's own conventions, and a bshd kernel is left out: the calls of the ecosystem's are kept
+    in the kit's terms (HF's mask folded, a kernel's transposes undone), where a passing call's mask and
+    options are not the ones the models of those conventions read."""
     out = {}
+    if target.convention not in CHECKED or getattr(target, "layout", "bhsd") == "bshd":
+        return out
     for r in results:
         if r.status != "pass" or r.id not in registry:
             continue
@@ -57,8 +65,8 @@ def _agrees(mistake, params, ev: replay.Evidence) -> bool:
     """Does ``mistake`` predict the target's outputs on these passing calls? Only finite entries are compared:
     where either side is NaN or inf (a row the mask emptied, a convention's free rows), a passing property
     has already judged the target, and the model's own convention there may differ."""
-    if mistake.level == "stochastic":
-        return True
+    if mistake.level == "stochastic" or mistake.options or mistake.arguments or mistake.grouped:
+        return True  # models of an argument (is_causal, scale, a window, a softcap, GQA) the passing calls lack
     state = {}
     for i, call in enumerate(ev.calls):
         pred = predict(mistake, call, params, state)
@@ -85,8 +93,9 @@ def _parts(out):
 
 
 def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, list[str]]:
-    """Drop from each failure's fits the models that contradict a passing property; a failure left with no
-    fit gets the first dropped one as its guess. Returns (mistake id, params) -> the properties it contradicts."""
+    """Drop from each failure's fits the models that contradict a passing property, where a fit that does not is
+    left (otherwise the root is marked ``consistent_with_passing: false``, with what it contradicts).
+    Returns (mistake id, params) -> the properties it contradicts."""
     dropped: dict[tuple, list[str]] = {}
     for ev in evidences.values():
         kept = []
@@ -96,7 +105,6 @@ def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, li
                 dropped[(f.mistake.id, tuple(sorted(f.params.items())))] = against
             else:
                 kept.append(f)
-        if ev.fits and not kept:
-            ev.guess = (ev.fits[0], ev.fits[0].calls)
-        ev.fits = kept
+        if kept:  # where every fit contradicts a passing property, they stay: the root says it contradicts one
+            ev.fits = kept
     return dropped

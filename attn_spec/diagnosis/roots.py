@@ -132,7 +132,7 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
                 left.remove(p)
 
     # 0. what the calls returned and the shapes they crashed on
-    for root in _measured_roots(evidences, left, order):
+    for root in _measured_roots(evidences, left, order, target):
         roots.append(root)
         take(root.explains)
 
@@ -247,8 +247,9 @@ def settle(roots: list[Diagnosis], order: list[str], measure=None) -> list[Diagn
     return named + [one]
 
 
-def _measured_roots(evidences, left, order) -> list[Diagnosis]:
-    """Roots that the recorded calls name by themselves (attn_spec.diagnosis.measured)."""
+def _measured_roots(evidences, left, order, target=None) -> list[Diagnosis]:
+    """Roots that the recorded calls name by themselves (attn_spec.diagnosis.measured). The transpose is read
+    on a function's own calls only (a kernel's in another layout are kept transposed back, in the kit's terms)."""
     mine = {p: evidences[p] for p in left}
     returned = measured.returned_type(mine)
     if returned:
@@ -263,7 +264,8 @@ def _measured_roots(evidences, left, order) -> list[Diagnosis]:
                           "operations (so that autograd reaches Q, K and V)", sorted(pids, key=order.index),
                           f"{_plural(len(pids), 'failing property')} got {words} back from the target where "
                           f"the convention returns a tensor; no property's relation was judged", measured=True)]
-    wrong = measured.wrong_transpose(mine)
+    own = getattr(target, "convention", "function") == "function" and getattr(target, "layout", "bhsd") != "bshd"
+    wrong = measured.wrong_transpose(mine) if own else None
     if wrong:
         (a, b), pids, pattern = wrong
         return [Diagnosis(pids[0], None, f"K is transposed over the wrong axes: K.transpose({a}, {b}) instead of "

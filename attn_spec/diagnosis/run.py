@@ -81,7 +81,8 @@ def judge_against_passing(root: Diagnosis, consistency: Consistency) -> None:
     against = consistency.contradicted(m, root.params) if m is not None else []
     root.consistent_with_passing = not against
     if against:
-        root.evidence += f"; it contradicts {', '.join(against)}, which passed"
+        root.evidence += (f"; it contradicts {', '.join(against)}, which passed: the mistake holds on some inputs only "
+                          f"(no model in the catalog agrees with those too)")
     elif m is not None and consistency.checked():
         root.evidence += f"; it agrees with the {len(consistency.passing)} passing properties' recorded calls"
 
