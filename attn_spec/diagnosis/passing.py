@@ -93,8 +93,8 @@ def _parts(out):
 
 
 def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, list[str]]:
-    """Drop from each failure's fits the models that contradict a passing property, where a fit that does not is
-    left (otherwise the root is marked ``consistent_with_passing: false``, with what it contradicts).
+    """Drop from each failure's fits the models that contradict a passing property (attn_spec.diagnosis.run
+    restores them only where, restored, one model names every failure: then the root says what it contradicts).
     Returns (mistake id, params) -> the properties it contradicts."""
     dropped: dict[tuple, list[str]] = {}
     for ev in evidences.values():
@@ -105,6 +105,5 @@ def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, li
                 dropped[(f.mistake.id, tuple(sorted(f.params.items())))] = against
             else:
                 kept.append(f)
-        if kept:  # where every fit contradicts a passing property, they stay: the root says it contradicts one
-            ev.fits = kept
+        ev.fits = kept
     return dropped

@@ -53,10 +53,18 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
             evidences[r.id] = gather(r.id, registry[r.id].fn, target, case, shortlist=shortlist)
             shortlist += [f.mistake.id for f in evidences[r.id].fits if f.mistake.id not in shortlist]
     consistency = Consistency(passing_calls(target, results, registry, replayable) if evidences else {})
-    keep_consistent(evidences, consistency)
+    every_fit = {pid: list(ev.fits) for pid, ev in evidences.items()}
+    dropped = keep_consistent(evidences, consistency)
     after = {pid: registry[pid].after for pid in registry}
     roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
                   mistakes=list(MISTAKES.values()))
+    if dropped and not any(d.named for d in roots):  # one model for every failure, though it contradicts a pass?
+        for pid, ev in evidences.items():
+            ev.fits = every_fit[pid]
+        alone = group([r.id for r in failures], evidences, order=order, after=after, target=target,
+                      mistakes=list(MISTAKES.values()))
+        if len(alone) == 1 and alone[0].named:
+            roots = alone
     roots = settle(roots, order, measure=lambda: fits.measure(target) if target.convention in FUNCTION_CONVENTIONS
                    else None)
     for root in roots:
