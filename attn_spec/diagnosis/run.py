@@ -58,6 +58,8 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     after = {pid: registry[pid].after for pid in registry}
     roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
                   mistakes=list(MISTAKES.values()))
+    roots = settle(roots, order, measure=lambda: fits.measure(target) if target.convention in FUNCTION_CONVENTIONS
+                   else None)
     if dropped and not any(d.named for d in roots):  # one model for every failure, though it contradicts a pass?
         for pid, ev in evidences.items():
             ev.fits = every_fit[pid]
@@ -65,8 +67,6 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
                       mistakes=list(MISTAKES.values()))
         if len(alone) == 1 and alone[0].named:
             roots = alone
-    roots = settle(roots, order, measure=lambda: fits.measure(target) if target.convention in FUNCTION_CONVENTIONS
-                   else None)
     for root in roots:
         judge_against_passing(root, consistency)
         root.not_judged = [p for p in root.explains if p != root.root and p in evidences and _not_judged(evidences[p])]
