@@ -115,7 +115,7 @@ def wrong_transpose(evidences: dict) -> tuple[tuple[int, int], list[str], str] |
     for a, b in itertools.combinations(range(rank), 2):
         if (a, b) == (rank - 2, rank - 1):
             continue  # the right pair
-        differ = [c for c in batched if c.error and c.inputs["k"].shape[a] != c.inputs["k"].shape[b]]
+        differ = [c for c in batched if c.error and c.inputs["k"].dim() > b and c.inputs["k"].shape[a] != c.inputs["k"].shape[b]]
         if differ and all(_agrees(c, _predict(c, (a, b))) for _, c in calls):
             pids = sorted({pid for pid, _ in calls})
             # the story of every failure, or of none: a pair that reproduces a few crashes is a coincidence
@@ -126,7 +126,7 @@ def wrong_transpose(evidences: dict) -> tuple[tuple[int, int], list[str], str] |
 def _pattern(batched, axes) -> str:
     """Where the batched calls crashed and where they ran, against K's dims ``a`` and ``b``."""
     a, b = axes
-    differ = [c for c in batched if c.inputs["k"].shape[a] != c.inputs["k"].shape[b]]
+    differ = [c for c in batched if c.inputs["k"].dim() > b and c.inputs["k"].shape[a] != c.inputs["k"].shape[b]]
     crashed = [c for c in differ if c.error]
     ran = [c for c in batched if not c.error]
     text = (f"of {_count(len(differ), 'batched call')} where K's dims {a} and {b} differ, {len(crashed)} raised "
