@@ -373,6 +373,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
+    target.required = frozenset(parse_capabilities(require))  # before the probes: a required capability's probe fails
     report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
     dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
     props = applicable(props, target)
@@ -404,6 +405,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         diagnose_report(target, report, REGISTRY)
         report.diagnosis_seconds = time.perf_counter() - start
     report.properties.extend(probe_errors + _requirements(report, require))
+    report.notes = target.notes()  # with what the calls taught (an hf function reading a module attribute the kit lacks)
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()

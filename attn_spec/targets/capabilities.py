@@ -91,6 +91,8 @@ def _masks(target, dtype, device) -> dict:
     other = torch.tensor([[False, True], [True, True]], device=device)  # row 0 attends key 1 only: not causal
     found = {"unmasked": _outcome(lambda: target.attend(q, k, v))}
     with_causal, with_other = _outcome(lambda: target.attend(q, k, v, causal)), _outcome(lambda: target.attend(q, k, v, other))
+    if found["unmasked"][0] == "raises" and "unmasked" in target.raising_declines and "yes" in (with_causal[0], with_other[0]):
+        found["unmasked"] = ("no", f"raises without a mask, runs with one: {found['unmasked'][1]}")
     if with_causal[0] == "yes" and with_other[0] == "no":
         found["mask"] = ("causal-only", f"only causal masks: {with_other[1]}")
     else:
@@ -138,7 +140,7 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
         elif name == "gqa" and target.convention not in FUNCTION_CONVENTIONS:
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
-            found[name] = _outcome(call, "no" if name == "gqa" and not target.gqa_contract else "raises")
+            found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
     target.supported = _supports(values, reasons)
