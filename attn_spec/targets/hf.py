@@ -225,4 +225,4 @@ class HfTarget(Target):
         self.missing[path] = (f"kit limitation: {self.name} reads {path}, which the stand-in module does not offer; "
                               f"supply it with --hf-module-attr {name}=VALUE (hf_module_attr=[...] in Python), or wrap "
                               f"the function in one that sets it on module")
-        return f"{self.name} reads {path}, which the stand-in module does not offer (see the header)"
+        return f"the function reads {path}, which the stand-in module lacks (a kit limitation, see the header)"
