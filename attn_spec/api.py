@@ -191,15 +191,17 @@ def config_keywords(**values) -> attn_settings.Layer:
     return attn_settings.keywords(values, "the keyword argument {key}", base=None)
 
 
-def reproduce(property_id: str, target, case, *, convention=None, masks=None, **options) -> None:
+def reproduce(property_id: str, target, case, *, convention=None, masks=None, require=None, **options) -> None:
     """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold.
 
-    ``masks`` and ``options`` (layout, expect_mask, expect_score): make_target's keywords, as a report's
-    snippet gives them."""
+    ``masks`` and ``options`` (layout, expect_mask, expect_score, hf_module_attr, hf_config): make_target's
+    keywords, as a report's snippet gives them; ``require``: the capabilities the check required (--require)."""
     prop = select(only=[property_id])[0]
     obj = load_target(target) if isinstance(target, str) else target
     adapter = obj if isinstance(obj, Target) else make_target(obj, target if isinstance(target, str) else None,
                                                                convention, masks, **options)
+    if require:
+        adapter.required = frozenset(parse_capabilities(require))
     try:
         prop.fn(adapter, case)
     except Failure as failure:

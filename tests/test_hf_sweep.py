@@ -113,6 +113,10 @@ def test_mha_only_functions_lack_gqa_and_sinks_have_no_effect():
     results = {p.id: p.status for p in required.targets[0].properties}
     assert results == {"gqa-equivalence": "fail", "capability:gqa": "fail"}
     assert [d.mistake for d in required.targets[0].diagnoses] == ["gqa-kv-not-repeated"]
+    snippet = required.targets[0].properties[0].counterexample["reproduce"]
+    assert "--require gqa" in snippet and "require=['gqa']" in snippet
+    with pytest.raises(attn_spec.errors.Failure):  # the reproduction requires GQA too
+        exec(snippet, {})
     sinks = attn_spec.check(gpt_oss, convention="hf", profile="quick", seed=0, only=["matches-reference", "gqa-equivalence"])
     assert sinks.conforms and sinks.targets[0].capabilities["gqa"] == "yes", str(sinks)
     unmasked = attn_spec.check(decoder, convention="hf", profile="quick", seed=0, only=["matches-reference"])

@@ -37,7 +37,11 @@ def _snippet(prop: Property, case, target: Target, seed: int) -> str:
                        if getattr(case, f.name) != f.default)
     kind = type(case).__name__
     options = dict(target.options())  # make_target keywords that rebuild it: layout, expect_mask, expect_score
-    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in options.items())
+    flags = "".join(f" --{key.replace('_', '-')} {' '.join(value) if isinstance(value, list) else value}"
+                    for key, value in options.items())
+    if target.required:  # a required capability changes what a property judges (hf: GQA)
+        flags += f" --require {' '.join(sorted(target.required))}"
+        options["require"] = sorted(target.required)
     if tuple(target.masks) != tuple(target.default_masks):  # masks the user declared
         flags += f" --masks {','.join(target.masks)}"
         options["masks"] = tuple(target.masks)

@@ -11,14 +11,17 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ==============  ==================================================================
 ``mask``        a bool mask argument: a mask that is not causal, and a causal one;
                 ``causal-only`` when the target declines every mask but the causal one
-``unmasked``    a call without a mask (a causal-only module declines it)
+``unmasked``    a call without a mask (a causal-only module declines it; an hf function
+                that raises on attention_mask=None but runs with a mask lacks it)
 ``batch``       leading batch dims: Q, K, V [2, 2, 2]
 ``cross``       n_q != n_kv: K, V [3, 2] (self-attention-only modules lack it)
 ``dv-ne-dk``    values wider than keys: V [2, 3]
 ``scale``       an explicit ``scale`` argument (the sdpa convention)
 ``is-causal``   an ``is_causal`` argument (the sdpa convention)
 ``autograd``    gradients flow from the output to Q, K and V
-``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions)
+``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
+                raising = lacking it, except where GQA is part of the contract (flex,
+                hf under --require gqa or a GQA config: Target.raising_declines)
 ``float64``,    the baseline in that dtype; ``unchecked`` when ``--dtypes`` leaves it out
 ``float16``,
 ``bfloat16``
