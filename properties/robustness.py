@@ -386,8 +386,9 @@ def gqa_equivalence(target, case):
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
     repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
     ref = row_reference(q, *repeated, mask)  # on chosen rows at long lengths (checking.rows)
+    whose = "the convention's" if target.gqa_grouping else "the target's"
     ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
-              f"in the target's grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
+              f"in {whose} grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
               f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
               cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)))
 
