@@ -35,6 +35,7 @@ computes the softmax in float32, so float64 is checked only when asked for (``--
 from __future__ import annotations
 
 import sys
+
 import torch
 
 from attn_spec import reference

@@ -28,7 +28,6 @@ import torch
 
 from attn_spec.errors import KitUsageError
 
-SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")  # set from each case
 SPECIAL = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
@@ -51,7 +50,7 @@ class HfModule(torch.nn.Module):
     """What an HF attention layer offers the function it calls (eval mode, no parameters).
 
     ``extra``: ``{"NAME": value, "config.NAME": value}`` from ``--hf-module-attr`` and ``--hf-config``; the
-    shape fields of the config always follow the case (the kit draws its own head counts)."""
+    config's shape fields, window and dtype always follow the case (the kit draws its own head counts)."""
 
     def __init__(self, n_heads, n_kv_heads, head_dim, *, is_causal, scaling, dtype=torch.float32, device="cpu",
                  window=None, extra=None):
@@ -60,14 +59,14 @@ class HfModule(torch.nn.Module):
         self.num_heads, self.num_key_value_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.layer_idx, self.attention_dropout, self.sliding_window = 0, 0.0, window
         self.sinks = torch.full((n_heads,), -math.inf, dtype=dtype, device=device)  # [H]: no effect (module doc)
-        config = {"attention_dropout": 0.0, "sliding_window": window, "_attn_implementation": "eager", "dtype": dtype}
+        config = {"attention_dropout": 0.0, "_attn_implementation": "eager"}
         for key, value in (extra or {}).items():
             if key.startswith("config."):
                 config[key[len("config."):]] = value
             else:
                 setattr(self, key, value)
         config.update(num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim,
-                      hidden_size=n_heads * head_dim)
+                      hidden_size=n_heads * head_dim, sliding_window=window, dtype=dtype)
         self.config = HfConfig(**config)
         self.eval()
 
