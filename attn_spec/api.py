@@ -71,8 +71,9 @@ def plan(settings: attn_settings.Settings) -> Plan:
 
 
 def target_options(settings: attn_settings.Settings) -> dict:
-    """make_target's keywords from the settings: layout, expect_mask, expect_score."""
-    return {"layout": settings["layout"], "expect_mask": settings["expect-mask"], "expect_score": settings["expect-score"]}
+    """make_target's keywords from the settings: layout, expect_mask, expect_score, hf_module_attr, hf_config."""
+    return {"layout": settings["layout"], "expect_mask": settings["expect-mask"], "expect_score": settings["expect-score"],
+            "hf_module_attr": settings["hf-module-attr"] or None, "hf_config": settings["hf-config"]}
 
 
 def load_targets(settings: attn_settings.Settings, name: str | None = None, *, not_loaded: list | None = None,
@@ -126,7 +127,7 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
           devices=None, require=None, expect=None, inference_only=None, shapes=None, progress=None,
           exitfirst=False, verbose=False, config=False, diagnose=True, masks=None, layout=None, expect_mask=None,
-          expect_score=None) -> Report:
+          expect_score=None, hf_module_attr=None, hf_config=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     ``masks``: the mask forms the targets take, ``("bool",)`` or ``("bool", "additive")`` (default:
@@ -147,14 +148,16 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     ``verbose``: the report keeps all of the targets' captured output (prints, warnings, log
     records), not only the count and first occurrence. A target that cannot be wrapped (an adapter
     class that raises when instantiated) is listed in ``report.not_loaded``; the others are checked.
-    ``layout`` (bhsd, bshd), ``expect_mask`` and ``expect_score`` are passed to ``make_target``
+    ``layout`` (bhsd, bshd), ``expect_mask``, ``expect_score``, ``hf_module_attr`` (``["NAME=VALUE"]``) and
+    ``hf_config`` (a config.json) are passed to ``make_target``
     (attn_spec.targets.conventions). Without ``dtypes``, each target is checked in its convention's dtypes
     (hf: float32, float16, bfloat16).
     """
     given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
                             dtypes=dtypes, devices=devices, require=require, expect=expect,
                             inference_only=inference_only, shapes=shapes, masks=masks, layout=layout,
-                            expect_mask=expect_mask, expect_score=expect_score)
+                            expect_mask=expect_mask, expect_score=expect_score, hf_module_attr=hf_module_attr,
+                            hf_config=hf_config)
     if not config:
         settings = attn_settings.resolve([given])
     else:
@@ -188,15 +191,17 @@ def config_keywords(**values) -> attn_settings.Layer:
     return attn_settings.keywords(values, "the keyword argument {key}", base=None)
 
 
-def reproduce(property_id: str, target, case, *, convention=None, masks=None, **options) -> None:
+def reproduce(property_id: str, target, case, *, convention=None, masks=None, require=None, **options) -> None:
     """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold.
 
-    ``masks`` and ``options`` (layout, expect_mask, expect_score): make_target's keywords, as a report's
-    snippet gives them."""
+    ``masks`` and ``options`` (layout, expect_mask, expect_score, hf_module_attr, hf_config): make_target's
+    keywords, as a report's snippet gives them; ``require``: the capabilities the check required (--require)."""
     prop = select(only=[property_id])[0]
     obj = load_target(target) if isinstance(target, str) else target
     adapter = obj if isinstance(obj, Target) else make_target(obj, target if isinstance(target, str) else None,
                                                                convention, masks, **options)
+    if require:
+        adapter.required = frozenset(parse_capabilities(require))
     try:
         prop.fn(adapter, case)
     except Failure as failure:

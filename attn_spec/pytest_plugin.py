@@ -170,6 +170,9 @@ class Checker:
                 dict(zip(settings["targets"], api.load_targets(settings)))
         except (KitUsageError, TargetLoadError) as exc:
             raise pytest.UsageError(f"attn-spec: {exc}") from None
+        from attn_spec.targets.capabilities import parse_capabilities
+        for target in self.targets.values():  # as check_target does: a required capability's probe fails
+            target.required = frozenset(parse_capabilities(settings["require"]))
         self.expected = self.plan.expectations.ids if self.plan.expectations else {}
 
     def items(self, parent, key: str, name=lambda pid: pid) -> list:

@@ -46,6 +46,12 @@ def _shape(item: str) -> str | None:
     return None
 
 
+def _module_attr(item: str) -> str | None:
+    if not re.fullmatch(r"(config\.)?[A-Za-z_]\w*=.+", item):
+        return f"{item!r} is not NAME=VALUE or config.NAME=VALUE (VALUE a Python literal, e.g. config.rope_theta=10000.0)"
+    return None
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str  # the key in [tool.attn-spec]; flags, variables and ini keys derive from it
@@ -119,6 +125,12 @@ _SETTINGS = (
             "prefix-lm:P or document:IDS, joined with + (implies the mask-mod convention)", metavar="STATEMENT"),
     Setting("expect-score", "what a FlexAttention score_mod(score, b, h, q_idx, kv_idx) computes: alibi, softcap:C "
             "or relative-bias (implies the score-mod convention)", metavar="STATEMENT"),
+    Setting("hf-module-attr", "an attribute of the stand-in module hf targets are called with, NAME=VALUE or "
+            "config.NAME=VALUE (VALUE a Python literal), for a function that reads one the kit does not offer",
+            kind="list", split=r"\s+", item=_module_attr, metavar="NAME=VALUE"),
+    Setting("hf-config", "a Hugging Face model's config.json for hf targets: its fields join module.config, and "
+            "num_key_value_heads < num_attention_heads makes grouped-query attention required", metavar="FILE",
+            paths="file"),
     Setting("shapes", "check at these fixed shapes instead of drawn ones: B,H,N,D or B,H,HKV,NQ,NKV,D "
             "(grouped-query or cross attention), on the accelerator if there is one, in the dtypes asked (default: "
             "float32 on the CPU, bfloat16 and float16 on a GPU), with every property that applies at that size",

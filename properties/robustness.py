@@ -359,8 +359,9 @@ def gqa_equivalence(target, case):
     blocked, query head h reads KV head h // g (``repeat_interleave``: Llama, Mistral, SDPA's
     enable_gqa), or tile, h % Hkv (einops ``repeat(k, 'b h n d -> b (g h) n d')``); the
     property holds the target to the grouping found, and ``--require gqa-grouping=blocked``
-    holds it to one. A target that raises on unequal head counts does not support GQA: the
-    property is then a skip. Why: GQA shrinks the KV cache g-fold, and a head mapping that
+    holds it to one; an ``hf`` function is held to Hugging Face's repeat_kv (blocked). A target
+    that raises on unequal head counts does not support GQA: the property is then a skip (a
+    failure where GQA is required: flex, hf with ``--require gqa`` or a GQA config). Why: GQA shrinks the KV cache g-fold, and a head mapping that
     changes with the input still trains, only worse. Catches: every query head reading KV
     head 0, a mapping that is neither grouping. A case with ``kv_heads`` (a fixed shape
     B,H,HKV,...) is checked with its own grouping.
@@ -381,14 +382,15 @@ def gqa_equivalence(target, case):
         raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
                           f"{exc.message}", total=True) from None
     require_responsive(target, case)
-    grouping = behaviour(target, "gqa-grouping", case.dtype, case.device)
+    grouping = target.gqa_grouping or behaviour(target, "gqa-grouping", case.dtype, case.device)  # hf: repeat_kv's
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
     repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
     ref = row_reference(q, *repeated, mask)  # on chosen rows at long lengths (checking.rows)
+    whose = "the convention's" if target.gqa_grouping else "the target's"
     ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
-              f"in the target's grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
+              f"in {whose} grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
               f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
-              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping))
+              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)))
 
 
 def _repeat_heads(t, group, grouping):
@@ -398,11 +400,14 @@ def _repeat_heads(t, group, grouping):
     return t.repeat_interleave(group, dim=-3)
 
 
-def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping) -> str:
-    """Which head mapping reproduces the output?"""
+def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping, contract=False) -> str:
+    """Which head mapping reproduces the output? ``contract``: the convention fixes ``grouping`` (hf: repeat_kv)."""
     for other in ("blocked", "tile"):
         repeated = [_repeat_heads(t, group, other) for t in (k, v)]
         if other != grouping and max_error(got, chunked.reference_output(q, *repeated, mask)) <= allowed:
+            if contract:
+                return (f"the query heads follow the {other} grouping, but the convention's is {grouping} (Hugging "
+                        f"Face's repeat_kv: query head h reads KV head h // g, as every GQA checkpoint is trained)")
             return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
                     f"gqa-grouping={grouping}: the head mapping depends on the input")
     if max_error(got, chunked.reference_output(q, k[..., :1, :, :], v[..., :1, :, :], mask)) <= allowed:

@@ -239,3 +239,50 @@ def test_hand_picked_examples_run_where_float64_is_not_checked(seed):
     (result,) = target.properties
     assert result.status == "fail" and result.case.dtype != "float64", (result.status, result.message)
     assert "after the mask" in result.cause
+
+
+def test_an_hf_function_reading_a_module_attribute_the_kit_lacks_is_a_limitation_stated_once(tmp_path, capsys):
+    """Not 21 failures of the target: the header names the attribute and how to supply it; supplied, it conforms."""
+    source = tmp_path / "reads_theta.py"
+    source.write_text(textwrap.dedent("""
+        import torch
+
+        def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+            scale = scaling * module.config.logit_scale * module.temperature  # attributes the stand-in lacks
+            key, value = (t.repeat_interleave(module.num_key_value_groups, dim=1) for t in (key, value))
+            scores = query @ key.transpose(2, 3) * scale
+            if attention_mask is not None:
+                scores = scores + attention_mask
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            return (weights @ value).transpose(1, 2).contiguous(), weights
+    """))
+    code, out, _ = check(capsys, f"{source}:attention", *QUICK)
+    assert code == 1 and "NOTHING CHECKED" in out and "DOES NOT CONFORM" not in out
+    assert out.count("kit limitation:") == 1 and "--hf-module-attr logit_scale=VALUE" in out.replace("config.", "")
+    code, out, err = check(capsys, f"{source}:attention", *QUICK, "--hf-module-attr", "config.logit_scale=1.0",
+                           "temperature=1")
+    assert code == 0, out + err
+    assert "kit limitation" not in out
+    with pytest.raises(KitUsageError, match="applies to the hf convention"):
+        make_target(attn_spec.reference.reference_attention, hf_module_attr=["x=1"])
+    with pytest.raises(KitUsageError, match="not a Python literal"):
+        make_target(_hf_blocked, hf_module_attr=["x=torch.ones(2)"])
+
+
+def _hf_blocked(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def test_a_config_with_fewer_kv_heads_makes_gqa_a_requirement(tmp_path):
+    """MHA-only (raises on H_kv != H): conforms, lacking gqa; the same function for a GQA model's config fails."""
+    from gallery.ecosystem import GQA_CONFIG, mha_only_eager
+
+    plain = attn_spec.check(mha_only_eager, profile="quick", seed=3, only=["gqa-equivalence", "matches-reference"])
+    assert plain.conforms and "lacks gqa" in str(plain) and "skipped gqa-equivalence: not checked" in str(plain)
+    grouped = attn_spec.check(mha_only_eager, profile="quick", seed=3, only=["gqa-equivalence"], hf_config=GQA_CONFIG)
+    assert not grouped.conforms and "num_key_value_heads=8 < num_attention_heads=32" in str(grouped)
+    assert [d.mistake for d in grouped.targets[0].diagnoses] == ["gqa-kv-not-repeated"]
+    blocked = attn_spec.check(_hf_blocked, profile="quick", seed=3, only=["gqa-equivalence"], hf_config=GQA_CONFIG)
+    assert blocked.conforms, str(blocked)

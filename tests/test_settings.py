@@ -102,6 +102,9 @@ BAD = {
     "environment list": (lambda p, mp: mp.setenv("ATTN_SPEC_DTYPES", "float32,float8") or [],
                          "dtypes='float32,float8' from environment ATTN_SPEC_DTYPES: 'float8' is not one of float64, "
                          "float32, float16, bfloat16"),
+    "environment hf-module-attr": (lambda p, mp: mp.setenv("ATTN_SPEC_HF_MODULE_ATTR", "sinks") or [],
+                                   "hf-module-attr='sinks' from environment ATTN_SPEC_HF_MODULE_ATTR: 'sinks' is not "
+                                   "NAME=VALUE or config.NAME=VALUE"),
     "unknown key": (lambda p, mp: (p / "pyproject.toml").write_text('[tool.attn-spec]\nprofle = "quick"\n') and [],
                     "pyproject.toml [tool.attn-spec]: unknown key 'profle' (did you mean 'profile'?); known keys: "),
 }

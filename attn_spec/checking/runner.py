@@ -37,7 +37,11 @@ def _snippet(prop: Property, case, target: Target, seed: int) -> str:
                        if getattr(case, f.name) != f.default)
     kind = type(case).__name__
     options = dict(target.options())  # make_target keywords that rebuild it: layout, expect_mask, expect_score
-    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in options.items())
+    flags = "".join(f" --{key.replace('_', '-')} {' '.join(value) if isinstance(value, list) else value}"
+                    for key, value in options.items())
+    if target.required:  # a required capability changes what a property judges (hf: GQA)
+        flags += f" --require {' '.join(sorted(target.required))}"
+        options["require"] = sorted(target.required)
     if tuple(target.masks) != tuple(target.default_masks):  # masks the user declared
         flags += f" --masks {','.join(target.masks)}"
         options["masks"] = tuple(target.masks)
@@ -373,6 +377,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
+    target.required = frozenset(parse_capabilities(require))  # before the probes: a required capability's probe fails
     report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
     dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
     props = applicable(props, target)
@@ -404,6 +409,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         diagnose_report(target, report, REGISTRY)
         report.diagnosis_seconds = time.perf_counter() - start
     report.properties.extend(probe_errors + _requirements(report, require))
+    report.notes = target.notes()  # with what the calls taught (an hf function reading a module attribute the kit lacks)
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()

@@ -108,6 +108,8 @@ class Target:
     is_attention = True  # False for FlexAttention's mods: only their own properties apply
     default_dtypes = None  # the dtypes checked unless the user names some (None: all)
     gqa_contract = ""  # where grouped K/V heads are part of the convention, what tells the target: then raising fails
+    gqa_grouping = ""  # where the convention fixes which KV head each query head reads (hf: "blocked"), else probed
+    required: frozenset = frozenset()  # the capabilities the user requires (--require), set before the probes
 
     def __init__(self, obj, name: str, masks=None, *, inference_only: bool = False):
         self.obj, self.name, self.calls, self.inference_only = obj, name, 0, inference_only
@@ -138,6 +140,12 @@ class Target:
                 raise Unsupported(why, total=True)
         with torch.no_grad():
             return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal, **options)
+
+    @property
+    def raising_declines(self) -> tuple[str, ...]:
+        """The capabilities whose probe raising means the target lacks them (attn_spec.targets.capabilities): GQA
+        unless grouped K/V heads are part of the convention; the others' probes raising is a crash."""
+        return () if self.gqa_contract else ("gqa",)
 
     def lacks_option(self, key: str) -> str | None:
         """Why this target cannot take attend()'s option ``key`` ("window", "softcap"); None if it can."""

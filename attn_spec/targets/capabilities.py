@@ -11,14 +11,17 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ==============  ==================================================================
 ``mask``        a bool mask argument: a mask that is not causal, and a causal one;
                 ``causal-only`` when the target declines every mask but the causal one
-``unmasked``    a call without a mask (a causal-only module declines it)
+``unmasked``    a call without a mask (a causal-only module declines it; an hf function
+                that raises on attention_mask=None but runs with a mask lacks it)
 ``batch``       leading batch dims: Q, K, V [2, 2, 2]
 ``cross``       n_q != n_kv: K, V [3, 2] (self-attention-only modules lack it)
 ``dv-ne-dk``    values wider than keys: V [2, 3]
 ``scale``       an explicit ``scale`` argument (the sdpa convention)
 ``is-causal``   an ``is_causal`` argument (the sdpa convention)
 ``autograd``    gradients flow from the output to Q, K and V
-``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions)
+``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
+                raising = lacking it, except where GQA is part of the contract (flex,
+                hf under --require gqa or a GQA config: Target.raising_declines)
 ``float64``,    the baseline in that dtype; ``unchecked`` when ``--dtypes`` leaves it out
 ``float16``,
 ``bfloat16``
@@ -91,6 +94,8 @@ def _masks(target, dtype, device) -> dict:
     other = torch.tensor([[False, True], [True, True]], device=device)  # row 0 attends key 1 only: not causal
     found = {"unmasked": _outcome(lambda: target.attend(q, k, v))}
     with_causal, with_other = _outcome(lambda: target.attend(q, k, v, causal)), _outcome(lambda: target.attend(q, k, v, other))
+    if found["unmasked"][0] == "raises" and "unmasked" in target.raising_declines and "yes" in (with_causal[0], with_other[0]):
+        found["unmasked"] = ("no", f"raises without a mask, runs with one: {found['unmasked'][1]}")
     if with_causal[0] == "yes" and with_other[0] == "no":
         found["mask"] = ("causal-only", f"only causal masks: {with_other[1]}")
     else:
@@ -138,7 +143,7 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
         elif name == "gqa" and target.convention not in FUNCTION_CONVENTIONS:
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
-            found[name] = _outcome(call, "no" if name == "gqa" and not target.gqa_contract else "raises")
+            found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
     target.supported = _supports(values, reasons)

@@ -96,20 +96,22 @@ def detect_convention(obj) -> str:
 
 def make_target(obj, name: str | None = None, convention: str | None = None, masks=None, *,
                 inference_only: bool = False, state: StateGuard | None = None, layout: str | None = None,
-                expect_mask: str | None = None, expect_score: str | None = None, verbose: bool = False) -> Target:
+                expect_mask: str | None = None, expect_score: str | None = None, verbose: bool = False,
+                hf_module_attr=None, hf_config=None) -> Target:
     """The adapter for ``obj``. ``masks``: the mask forms it takes (default: its convention's, see
     MASK_FORMS); ``inference_only``: see :class:`Target`; ``state``: a guard that already holds what
     importing ``obj`` changed. ``layout`` (bhsd, bshd) applies to function and sdpa targets (probed
     when not given: what the probe calls print is kept as ``target.output["layout probe"]``, all of it with
     ``verbose``); ``expect_mask`` and ``expect_score`` name the statement a mask-mod or score-mod target is
-    checked against. An adapter class that raises when instantiated is a TargetLoadError."""
+    checked against; ``hf_module_attr`` and ``hf_config`` extend an hf target's stand-in module (targets.hf). An adapter class that raises when instantiated is a TargetLoadError."""
     name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
     convention = convention or ("mask-mod" if expect_mask else "score-mod" if expect_score else None) \
         or detect_convention(obj)
     if convention not in CONVENTIONS:
         raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
     for given, flag, applies in ((layout, "--layout", ("function", "sdpa")), (expect_mask, "--expect-mask", ("mask-mod",)),
-                                 (expect_score, "--expect-score", ("score-mod",))):
+                                 (expect_score, "--expect-score", ("score-mod",)),
+                                 (hf_module_attr, "--hf-module-attr", ("hf",)), (hf_config, "--hf-config", ("hf",))):
         if given is not None and convention not in applies:
             raise KitUsageError(f"{flag} applies to the {' and '.join(applies)} convention"
                                 f"{'s' if len(applies) > 1 else ''}, but {name} follows the {convention} convention")
@@ -118,7 +120,8 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
     if convention in ("function", "sdpa"):
         target = (FunctionTarget if convention == "function" else SdpaTarget)(obj, name, masks, layout, **kwargs)
     elif convention in LIBRARY_TARGETS:
-        options = {key: value for key, value in (("expect_mask", expect_mask), ("expect_score", expect_score)) if value}
+        options = {key: value for key, value in (("expect_mask", expect_mask), ("expect_score", expect_score),
+                                                 ("hf_module_attr", hf_module_attr), ("hf_config", hf_config)) if value}
         target = LIBRARY_TARGETS[convention](obj, name, masks=masks, **options, **kwargs)
     elif convention == "module":
         target = ModuleTarget(SeedAdapter(obj), name, masks=masks, **kwargs)

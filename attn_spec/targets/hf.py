@@ -7,8 +7,14 @@ pinned on transformers 5.x (``integrations/sdpa_attention.py``, ``eager_attentio
 
 - query [B, H, S_q, D], key and value [B, H_kv, S_kv, D] (views transposed from [B, S, H, D]); the output
   is [B, S_q, H, D_v], with the weights [B, H, S_q, S_kv] or None;
-- ``module`` is the attention layer: ``num_key_value_groups = H // H_kv`` (grouped-query attention is
-  part of the contract), ``is_causal``, ``head_dim``, ``scaling``, ``training`` (False: eval) and ``config``;
+- ``module`` is the attention layer (a stand-in: hf_module.py): ``num_key_value_groups = H // H_kv``,
+  ``is_causal``, ``head_dim``, ``scaling``, ``training`` (False: eval), ``sinks`` (no effect), ``config``, ...;
+- grouped-query attention (H_kv < H) is probed: MHA-only models (BERT, CLIP, GPT-NeoX) never call their
+  function so, and one that raises there lacks ``gqa``; it is required with ``--require gqa`` or a config
+  (``--hf-config``) of num_key_value_heads < num_attention_heads. Where it runs, the grouping is HF's own
+  ``repeat_kv``: query head h reads KV head h // g (a function that tiles, h % H_kv, is wrong for every
+  GQA checkpoint);
+- a call without a mask is probed too (``unmasked``): a function that raises on attention_mask=None lacks it;
 - ``scaling`` is always passed (the model's head_dim ** -0.5 unless it has its own), ``dropout`` is 0.0 in eval;
 - the mask is what the model builds for the function's implementation (``AttentionMaskInterface``):
   ``eager_mask``: float [B, 1, S_q, S_kv], 0 where a key may be attended and finfo(dtype).min elsewhere;
@@ -29,14 +35,14 @@ computes the softmax in float32, so float64 is checked only when asked for (``--
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from attn_spec import reference
 from attn_spec.checking.assertions import fail
-from attn_spec.errors import Unsupported
+from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.targets.base import MASK_FORMS, Target, _call, library_convention, parameter_names
+from attn_spec.targets.hf_module import HfModule, MissingAttribute, config_groups, parse_module_attrs, read_config
 from attn_spec.targets.layouts import Heads
 
 HF_PARAMETERS = ["module", "query", "key", "value"]
@@ -79,40 +85,62 @@ def mask_form(fn) -> tuple[str, str]:
                     f"attention_mask=None, causality only through module.is_causal")
 
 
-class HfModule(torch.nn.Module):
-    """What an HF attention layer offers the function it calls (eval mode, no parameters)."""
-
-    def __init__(self, n_heads, n_kv_heads, head_dim, *, is_causal, scaling):
-        super().__init__()
-        self.num_key_value_groups, self.is_causal = n_heads // n_kv_heads, is_causal
-        self.head_dim, self.scaling, self.layer_idx, self.attention_dropout = head_dim, scaling, 0, 0.0
-        self.config = SimpleNamespace(num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim,
-                                      attention_dropout=0.0)
-        self.eval()
-
-
 @library_convention
 class HfTarget(Target):
+    """``hf_module_attr``: ``["NAME=VALUE", "config.NAME=VALUE"]``, offered on the stand-in module (hf_module.py);
+    ``hf_config``: a model's config.json, whose fields join ``module.config`` and whose ``num_key_value_heads <
+    num_attention_heads`` makes grouped-query attention a requirement (as ``--require gqa`` does)."""
+
     convention = "hf"
     default_dtypes = ("float32", "float16", "bfloat16")
-    gqa_contract = "module.num_key_value_groups"
+    gqa_grouping = "blocked"  # HF's repeat_kv: query head h reads KV head h // g, and checkpoints are trained so
 
     @staticmethod
     def detects(obj, names) -> bool:
         """Its parameters begin module, query, key, value, or it is registered with AttentionInterface."""
         return (names or [])[:4] == HF_PARAMETERS or bool(_registered_names(obj))
 
-    def __init__(self, obj, name, masks=None, **kwargs):
+    def __init__(self, obj, name, masks=None, *, hf_module_attr=None, hf_config=None, **kwargs):
         super().__init__(obj, name, masks, **kwargs)
         self.form, self.form_why = mask_form(obj)
         if masks is None and self.form == "float":  # HF builds additive float masks for it: both forms are its contract
             self.masks = MASK_FORMS
         self.declares = set(parameter_names(obj) or ())
+        self.attr_items, self.config_path = list(hf_module_attr or ()), hf_config
+        fields = read_config(hf_config) if hf_config else {}
+        self.config_gqa = config_groups(fields)
+        self.extra = {**{f"config.{key}": value for key, value in fields.items()}, **parse_module_attrs(self.attr_items)}
+        self.missing: dict[str, str] = {}  # module attribute the function read and the stand-in lacks -> how to supply it
+
+    @property
+    def gqa_contract(self) -> str:
+        """Grouped-query attention is a requirement only when asked (``--require gqa``) or the model's config says
+        num_key_value_heads < num_attention_heads: MHA-only models (BERT, CLIP, GPT-NeoX) never call their function
+        with H_kv != H, so a function that raises there lacks gqa, it is not wrong."""
+        return "module.num_key_value_groups" if "gqa" in self.required or self.config_gqa else ""
+
+    @property
+    def raising_declines(self) -> tuple[str, ...]:
+        """A call without a mask that raises is a capability the function lacks (ModernBERT-decoder's adds the mask
+        unconditionally: its model always builds one), and so is GQA unless required."""
+        return ("unmasked",) + super().raising_declines
 
     def notes(self):
+        if self.config_gqa:
+            gqa = (f"grouped-query attention required: {self.config_path} has num_key_value_heads={self.config_gqa[1]} < "
+                   f"num_attention_heads={self.config_gqa[0]}")
+        else:
+            gqa = ("grouped-query attention " + ("required (--require gqa)" if self.gqa_contract else
+                                                 "probed (required with --require gqa or --hf-config)"))
         return [f"attention_mask: {self.form} ({self.form_why})",
                 "dtypes: float32, float16, bfloat16 unless --dtypes names others (HF runs attention in the model's "
-                "dtype; its eager path computes the softmax in float32)"]
+                "dtype; its eager path computes the softmax in float32)",
+                f"{gqa}; grouping: HF's repeat_kv, query head h reads KV head h // g (gqa-grouping=blocked)",
+                *self.missing.values()]
+
+    def options(self):
+        return {key: value for key, value in (("hf_module_attr", self.attr_items), ("hf_config", self.config_path))
+                if value}
 
     def lacks_option(self, key):
         if key == "softcap" and "softcap" not in self.declares:
@@ -151,7 +179,8 @@ class HfTarget(Target):
         given, mask = mask, self._mask(mask, causal, window, n_q, n_kv, q.dtype, q.device)
         h = Heads(q, k, v, None if mask is None else mask.expand(*mask.shape[:-2], n_q, n_kv))
         scaling = q.shape[-1] ** -0.5 if scale is None else scale
-        module = HfModule(h.heads, h.kv_heads, q.shape[-1], is_causal=causal, scaling=scaling)
+        module = HfModule(h.heads, h.kv_heads, q.shape[-1], is_causal=causal, scaling=scaling, dtype=q.dtype,
+                          device=q.device, window=window, extra=self.extra)
         kwargs = {"dropout": 0.0, "scaling": scaling}
         if window is not None:
             kwargs["sliding_window"] = window
@@ -175,7 +204,12 @@ class HfTarget(Target):
         return given.masked_fill(~pattern, float("-inf"))
 
     def _result(self, call, kwargs, module, h):
-        result = _call(lambda *a: self.obj(*a, **kwargs), (module, h.q, h.k, h.v, h.mask), call, self.state)
+        try:
+            result = _call(lambda *a: self.obj(*a, **kwargs), (module, h.q, h.k, h.v, h.mask), call, self.state)
+        except TargetRaised as exc:
+            if isinstance(exc.exc, MissingAttribute):
+                raise Unsupported(self._lacks_attribute(exc.exc.path), total=True) from None
+            raise
         if not isinstance(result, tuple) or not result or not isinstance(result[0], torch.Tensor):
             fail(f"a {type(result).__name__}", what="the return value", expected="(attn_output, attn_weights)",
                  call=call, cause="an HF attention function returns a tuple: the output [B, S_q, H, D_v] and the "
@@ -185,3 +219,11 @@ class HfTarget(Target):
             fail(f"{list(out.shape)}", what="attn_output's shape", expected=f"[B, S_q, H, D_v] = {list(expected)}",
                  call=call, cause="HF's attn_output is [B, S_q, H, D_v]: transpose(1, 2) the [B, H, S_q, D_v] result")
         return h.restore(out.transpose(1, 2))
+
+    def _lacks_attribute(self, path: str) -> str:
+        """A limitation of the kit, said once in the header: the function read what the stand-in does not offer."""
+        name = path[len("module."):]
+        self.missing[path] = (f"kit limitation: {self.name} reads {path}, which the stand-in module does not offer; "
+                              f"supply it with --hf-module-attr {name}=VALUE (hf_module_attr=[...] in Python), or wrap "
+                              f"the function in one that sets it on module")
+        return f"the function reads {path}, which the stand-in module lacks (a kit limitation, see the header)"

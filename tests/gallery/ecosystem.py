@@ -4,6 +4,7 @@
 The correct flash-style kernel, a registered HF function, HF's own functions and flex_attention itself are
 checked in tests/test_ecosystem.py (examples/flash_kernel.py, examples/hf_attention.py)."""
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from gallery import buggy, correct
 
 NEG_INF = float("-inf")
+GQA_CONFIG = str(Path(__file__).with_name("gqa_config.json"))  # a Llama-style config: 32 heads over 8 KV heads
 
 
 def _repeat_kv(t, groups):  # [B, Hkv, S, D] -> [B, Hkv * groups, S, D], as transformers' repeat_kv
@@ -40,6 +42,16 @@ def _gemma_eager(module, query, key, value, attention_mask, scaling=None, softca
 def gemma_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
     """Gemma 2's eager attention: float mask added after the cap, GQA through num_key_value_groups."""
     return _gemma_eager(module, query, key, value, attention_mask, scaling, softcap)
+
+
+@correct("hf")
+def mha_only_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """BERT's eager attention: no repeat_kv, so it raises on H_kv != H, which its models never have (lacks gqa)."""
+    scores = query @ key.transpose(2, 3) * scaling  # [B, H, Sq, Skv]
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return (weights @ value).transpose(1, 2).contiguous(), weights  # [B, Sq, H, Dv]
 
 
 @correct("mask-mod", expect_mask="causal")
@@ -124,13 +136,26 @@ def bshd_transposes_heads(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fal
     return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, is_causal=causal)  # bug: no transpose(1, 2)
 
 
-@buggy("gqa-equivalence", bug="an HF function that ignores num_key_value_groups (K/V heads never repeated)",
-       convention="hf", mistake="gqa-kv-not-repeated")
+@buggy("gqa-equivalence", bug="an HF function that ignores num_key_value_groups (K/V heads never repeated), for a "
+       "model whose config has num_key_value_heads < num_attention_heads", convention="hf",
+       mistake="gqa-kv-not-repeated", hf_config=GQA_CONFIG)
 def ignores_kv_groups(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     scores = query @ key.transpose(2, 3) * scaling  # bug: repeat_kv(key, module.num_key_value_groups) is missing
     if attention_mask is not None:
         scores = scores + attention_mask
     return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
+
+
+@buggy("gqa-equivalence", bug="an HF function that tiles K/V heads (query head h reads KV head h % H_kv), not "
+       "repeat_kv's h // g", convention="hf", mistake="gqa-tiled")
+def tiles_kv_heads(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    groups = module.num_key_value_groups
+    key, value = key.repeat(1, groups, 1, 1), value.repeat(1, groups, 1, 1)  # bug: repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * scaling  # [B, H, Sq, Skv]
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
 
 
 @buggy("mask-mod-statement", "mask-mod-rows", bug="a causal mask_mod with < for <=: the diagonal is masked",
