@@ -42,3 +42,38 @@ def flash_empty_rows_nan(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
        bug="a bottom-right causal [B, S, H, D] kernel with j < i for j <= i: no query sees its own key")
 def flash_diagonal_masked(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
     return _flash(q, k, v, softmax_scale, causal, empty="zeros", diagonal=False)
+
+
+# ---------------------------------------------------------------- finite fills that replace masked scores
+
+
+def _scores(Q, K):
+    return Q @ K.transpose(-2, -1) / Q.shape[-1] ** 0.5  # [..., Tq, Tk]
+
+
+@buggy("mask-semantics", mistake="mask-fill-finite",
+       bug="masked scores replaced by -1e4 (masked_fill(~mask, -1e4), as older Hugging Face models did): rows whose "
+           "allowed scores are below -1e4 hand their weight to the masked keys")
+def fill_replaces_minus_1e4(Q, K, V, mask=None):
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -1e4)
+    return torch.softmax(scores, dim=-1) @ V
+
+
+@correct()
+def fill_replaces_finfo_min(Q, K, V, mask=None):
+    """masked_fill(~mask, finfo(dtype).min): no allowed score lies below it, in any dtype."""
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1) @ V
+
+
+@correct()
+def fill_replaces_minus_inf(Q, K, V, mask=None):
+    """masked_fill(~mask, -inf): the textbook fill."""
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ V
