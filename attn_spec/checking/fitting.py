@@ -35,6 +35,8 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     if declined:
         notes.append(f"{', '.join(declined)}{_why(supports, 'unmasked' if 'none' not in masks else 'mask')}")
     options["masks"] = masks
+    if supports.max_length is not None:  # a fixed position buffer: lengths up to it
+        options["max_length"] = supports.max_length
     taken = [d for d in dtypes if d in supports.dtypes]
     if not taken:
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
@@ -58,6 +60,9 @@ def fit_case(case, options: dict, dtypes, devices):
     own if checked, else the first (an hf target is checked without float64, where examples are written)."""
     case = case.replace(dtype=case.dtype if case.dtype in dtypes else dtypes[0],
                         device=case.device if case.device in devices else devices[0])
+    limit = options.get("max_length")
+    if limit is not None and max(case.n_q, case.n_kv) > limit:
+        case = case.replace(n_q=min(case.n_q, limit), n_kv=min(case.n_kv, limit))
     if case.mask not in options["masks"]:
         case = case.replace(mask="causal" if "causal" in options["masks"] else options["masks"][0])
     if isinstance(case, Case):

@@ -127,8 +127,9 @@ def header_lines(t: TargetReport) -> list[str]:
     if t.behaviours:
         lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items()))
     if t.capabilities:
-        has = [name if value == "yes" else f"{name} ({value})" for name, value in t.capabilities.items()
-               if value not in ("no", "raises", "error", "n/a", "unchecked")]
+        has = [f"max length {value}" if name == "length" else name if value == "yes" else f"{name} ({value})"
+               for name, value in t.capabilities.items() if value not in ("no", "raises", "error", "n/a", "unchecked")
+               and not (name == "length" and value == "yes")]  # no limit up to the probe's ceiling: not news
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))

@@ -171,7 +171,7 @@ def parse_requirements(items) -> dict[str, str]:
     valid = "; ".join(f"{key}={'|'.join(values)}" for key, values in VALUES.items())
     required = {}
     for item in items or ():
-        if "=" not in item:
+        if "=" not in item or item.startswith("length="):  # capabilities, and length=N (capabilities.parse_length)
             continue
         key, _, value = item.partition("=")
         if key not in VALUES or value not in VALUES[key]:

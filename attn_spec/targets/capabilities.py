@@ -19,6 +19,10 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``is-causal``   an ``is_causal`` argument (the sdpa convention)
 ``autograd``    gradients flow from the output to Q, K and V
 ``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions)
+``length``      the largest sequence length it takes: ``yes`` at LENGTH_CEILING positions (self-attention
+                [n, 2]); else the largest n, found by bisection on its own refusal or a crash at a
+                shape check (a fixed position buffer: nanoGPT's ``bias`` of ``block_size``), reported
+                as ``max length N``; the properties then draw up to N (``--require length=N``)
 ``float64``,    the baseline in that dtype; ``unchecked`` when ``--dtypes`` leaves it out
 ``float16``,
 ``bfloat16``
@@ -43,7 +47,8 @@ from attn_spec.reference import causal_mask
 from attn_spec.targets.base import FUNCTION_CONVENTIONS
 
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
-                "float64", "float16", "bfloat16")
+                "length", "float64", "float16", "bfloat16")
+LENGTH_CEILING = 4096  # beyond every length the profiles draw (long-sequences at thorough: 2048 keys)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Supports:
     batch: bool = True  # leading batch/head dims
     dv_ne_dk: bool = True  # d_v != d_k
     dtypes: tuple[str, ...] = tuple(DTYPES)
+    max_length: int | None = None  # the longest sequence it takes (None: no limit up to LENGTH_CEILING)
     why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
 
 
@@ -125,6 +131,50 @@ def _probes(target, dtype, device, masked: bool):
     return probes
 
 
+def _shape_crash(exc: TargetRaised) -> bool:
+    """A crash at a shape check: an index or assertion error, or torch's size mismatch (a fixed buffer)."""
+    return isinstance(exc.exc, (IndexError, AssertionError, ValueError)) or (
+        isinstance(exc.exc, RuntimeError) and any(word in str(exc.exc) for word in ("size", "shape", "dimension")))
+
+
+def _max_length(target, dtype, device, masked: bool) -> tuple[str, str]:
+    """("yes", "") when self-attention over LENGTH_CEILING positions runs; else (str(N), why) with N the largest
+    length it takes, by bisection. Only the target's own refusal or a crash at a shape check is a limit."""
+    def takes(n):
+        q, k, v = (_t(n, 2, dtype=dtype, device=device, seed=s) for s in range(3))  # [T, D=2] each
+        try:
+            target.attend(q, k, v, causal_mask(n, n, device=device) if masked else None)
+            return True, ""
+        except Unsupported as exc:
+            return False, str(exc)
+        except TargetRaised as exc:
+            if _shape_crash(exc):
+                return False, exc.message
+            raise
+    try:
+        ok, why = takes(LENGTH_CEILING)
+        if ok or not takes(2)[0]:
+            return "yes", ""
+        lo, hi = 2, LENGTH_CEILING  # takes lo, not hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok, reason = takes(mid)
+            lo, hi, why = (mid, hi, why) if ok else (lo, mid, reason)
+        return str(lo), f"takes up to {lo} positions; at {hi}: {why}"
+    except (Failure, RuntimeError, MemoryError):  # another crash, or too big for this machine: no limit to report;
+        return "yes", ""  # long-sequences shows a crash itself
+
+
+def parse_length(items) -> int | None:
+    """The N of a ``length=N`` among ``--require`` items (the shortest sequence the target must take), or None."""
+    found = [item.partition("=")[2] for item in items or () if item.startswith("length=")]
+    if not found:
+        return None
+    if not found[-1].isdigit() or int(found[-1]) < 1:
+        raise KitUsageError(f"length={found[-1]!r}: expected a positive number of positions, e.g. --require length=2048")
+    return int(found[-1])
+
+
 def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tuple[dict, dict]:
     """(values, reasons): ``{"mask": "yes", "scale": "no", ...}`` and, for each capability that is not
     ``yes``, why (the target's own words where it gave them). Also keeps what the target takes on
@@ -139,6 +189,7 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
             found[name] = _outcome(call, "no" if name == "gqa" and not target.gqa_contract else "raises")
+    found["length"] = _max_length(target, base, device, masked)
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
     target.supported = _supports(values, reasons)
@@ -151,10 +202,11 @@ def _supports(values: dict, reasons: dict) -> Supports:
     masks = tuple(kind for kind, takes in (("none", "unmasked" not in declined),
                                            ("random", values["mask"] not in ("no", "causal-only")),
                                            ("causal", "mask" not in declined)) if takes)
-    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk") if name in reasons
+    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk", "length") if name in reasons
            and (name in declined or values[name] == "causal-only")}
     return Supports(masks=masks, cross="cross" not in declined, batch="batch" not in declined,
                     dv_ne_dk="dv-ne-dk" not in declined,
+                    max_length=int(values["length"]) if values["length"].isdigit() else None,
                     dtypes=tuple(name for name in DTYPES if name not in declined), why=why)
 
 
@@ -170,6 +222,7 @@ def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
 
 def parse_capabilities(items) -> list[str]:
     """The capability names among ``--require`` items (those without ``=``); unknown names are a usage error."""
+    parse_length(items)
     names = [item for item in items or () if "=" not in item]
     unknown = [name for name in names if name not in CAPABILITIES]
     if unknown:

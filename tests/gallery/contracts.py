@@ -4,6 +4,7 @@ and finite fills that replace masked scores."""
 import torch
 
 from gallery import buggy, correct
+from gallery.libraries import CausalSelfAttention, NanoGPTAdapter
 
 
 def _flash(q, k, v, softmax_scale, causal, *, empty="zeros", diagonal=True):
@@ -77,3 +78,34 @@ def fill_replaces_minus_inf(Q, K, V, mask=None):
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ V
+
+
+# ---------------------------------------------------------------- a fixed position buffer: a largest length
+
+
+class _BufferedCausalAdapter(NanoGPTAdapter):
+    """nanoGPT's causal self-attention with a ``bias`` buffer of ``block_size`` positions, called as published:
+    beyond block_size it crashes at its own shape check (the size of tensor a must match the size of tensor b)."""
+
+    block_size = 1024
+
+    def build(self, d_model, n_heads):
+        return CausalSelfAttention(d_model, n_heads, block_size=self.block_size)
+
+    def forward(self, module, x_q, x_kv, mask):
+        n = x_q.shape[0]
+        if mask is None or not torch.equal(mask, torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()):
+            raise NotImplementedError("causal self-attention only: the module applies its own causal mask")
+        return module(x_q[None])[0]  # [T, D]
+
+
+class BlockSize1024(_BufferedCausalAdapter):
+    block_size = 1024
+
+
+class BlockSize256(_BufferedCausalAdapter):
+    block_size = 256
+
+
+correct("adapter", "block_size_1024")(BlockSize1024)
+correct("adapter", "block_size_256")(BlockSize256)
