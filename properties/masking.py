@@ -160,7 +160,8 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
 
     def own(t):  # [..., R, Tq, D] -> [..., R, 1, D]: each element's own query
         return t[..., pick[0], pick[1], :].unsqueeze(-2)
-    masked = ~own(ms).transpose(-2, -1)  # [..., R, Tk, 1] keys masked for each element's query
+    masked = ~(ms if ms.shape[-2] == 1 else own(ms)).transpose(-2, -1)  # [..., R, Tk, 1] keys masked for each
+    # element's query (a key-padding mask [..., 1, Tk] is every query's own)
     limit = push_limit(q.dtype)
     loud_k, loud_v = _push_keys(own(qs), ks, masked, limit), torch.where(masked, vs + limit, vs)
     base = own(target.attend(qs, ks, vs, ms))  # [..., R, 1, Dv]

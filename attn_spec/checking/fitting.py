@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from attn_spec.checking.cases import Case
 
-MASK_NAMES = {"none": "calls without a mask", "random": "masks that are not causal", "causal": "causal masks"}
+MASK_NAMES = {"none": "calls without a mask", "random": "masks that are not causal", "causal": "causal masks",
+              "padding": "key-padding masks"}
 
 
 class NotCheckable(Exception):
@@ -27,9 +28,11 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     """(strategy options, dtypes, notes): the options that draw only inputs the target takes, the dtypes
     among ``dtypes`` it takes, and what is left undrawn as a result; NotCheckable when nothing is left."""
     options, notes = {}, []
-    wanted = tuple(prop.case_options.get("masks", MASK_NAMES))
+    wanted = tuple(prop.case_options.get("masks", ("none", "random", "causal")))
+    if "random" in wanted and "padding" in supports.masks and not prop.uses_multihead(convention):
+        wanted += ("padding",)  # a key-padding-only target: its masks stand in for the random ones
     masks = tuple(kind for kind in wanted if kind in supports.masks)
-    declined = [MASK_NAMES[kind] for kind in wanted if kind not in masks]
+    declined = [MASK_NAMES[kind] for kind in wanted if kind not in masks and kind != "padding"]
     if not masks:
         raise NotCheckable(f"it needs {' or '.join(declined)}, which the target declines{_why(supports, 'mask', 'unmasked')}")
     if declined:
@@ -64,7 +67,8 @@ def fit_case(case, options: dict, dtypes, devices):
     if limit is not None and max(case.n_q, case.n_kv) > limit:
         case = case.replace(n_q=min(case.n_q, limit), n_kv=min(case.n_kv, limit))
     if case.mask not in options["masks"]:
-        case = case.replace(mask="causal" if "causal" in options["masks"] else options["masks"][0])
+        case = case.replace(mask="padding" if case.mask == "random" and "padding" in options["masks"] else
+                            "causal" if "causal" in options["masks"] else options["masks"][0])
     if isinstance(case, Case):
         if options.get("square"):
             case = case.replace(n_q=max(case.n_q, case.n_kv), n_kv=max(case.n_q, case.n_kv))

@@ -57,7 +57,7 @@ PROFILES = {
 }
 
 
-MASK_KINDS = ("none", "random", "causal")
+MASK_KINDS = ("none", "random", "causal", "padding")  # padding: key-padding masks [..., 1, Tk]
 
 
 def get_profile(name: str) -> Profile:

@@ -10,7 +10,9 @@ a failing result ``capability:<name>``.
 capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ==============  ==================================================================
 ``mask``        a bool mask argument: a mask that is not causal, and a causal one;
-                ``causal-only`` when the target declines every mask but the causal one
+                ``causal-only`` when the target declines every mask but the causal one;
+                ``key-padding`` when it declines both but takes a key-padding mask [1, Tk] (every
+                query row the same): the properties then draw key-padding masks for it
 ``unmasked``    a call without a mask (a causal-only module declines it)
 ``batch``       leading batch dims: Q, K, V [2, 2, 2]
 ``cross``       n_q != n_kv: K, V [3, 2] (self-attention-only modules lack it)
@@ -95,10 +97,14 @@ def _masks(target, dtype, device) -> dict:
     q, k, v = (_t(2, 2, dtype=dtype, device=device, seed=s) for s in range(3))
     causal = causal_mask(2, 2, device=device)  # [Tq, Tk], True = may attend
     other = torch.tensor([[False, True], [True, True]], device=device)  # row 0 attends key 1 only: not causal
+    padding = torch.tensor([[False, True]], device=device)  # [1, Tk]: every query ignores key 0 (key padding)
     found = {"unmasked": _outcome(lambda: target.attend(q, k, v))}
     with_causal, with_other = _outcome(lambda: target.attend(q, k, v, causal)), _outcome(lambda: target.attend(q, k, v, other))
     if with_causal[0] == "yes" and with_other[0] == "no":
         found["mask"] = ("causal-only", f"only causal masks: {with_other[1]}")
+    elif with_other[0] == "no" and with_causal[0] == "no" and _outcome(lambda: target.attend(q, k, v, padding))[0] == "yes":
+        found["mask"] = ("key-padding", f"only key-padding masks ([..., 1, n_kv], every query row the same): "
+                                        f"{with_other[1]}")
     else:
         found["mask"] = next((o for o in (with_other, with_causal) if o[0] in ("raises", "error")),
                              next((o for o in (with_other, with_causal) if o[0] == "no"), ("yes", "")))
@@ -199,11 +205,13 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
 def _supports(values: dict, reasons: dict) -> Supports:
     """What to draw for a target with these capabilities: everything but what it declined."""
     declined = {name for name, value in values.items() if value == "no"}
+    key_padding = values["mask"] == "key-padding"
     masks = tuple(kind for kind, takes in (("none", "unmasked" not in declined),
-                                           ("random", values["mask"] not in ("no", "causal-only")),
-                                           ("causal", "mask" not in declined)) if takes)
+                                           ("random", values["mask"] not in ("no", "causal-only", "key-padding")),
+                                           ("causal", "mask" not in declined and not key_padding),
+                                           ("padding", key_padding)) if takes)
     why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk", "length") if name in reasons
-           and (name in declined or values[name] == "causal-only")}
+           and (name in declined or values[name] in ("causal-only", "key-padding"))}
     return Supports(masks=masks, cross="cross" not in declined, batch="batch" not in declined,
                     dv_ne_dk="dv-ne-dk" not in declined,
                     max_length=int(values["length"]) if values["length"].isdigit() else None,

@@ -109,3 +109,31 @@ class BlockSize256(_BufferedCausalAdapter):
 
 correct("adapter", "block_size_1024")(BlockSize1024)
 correct("adapter", "block_size_256")(BlockSize256)
+
+
+# ---------------------------------------------------------------- key-padding masks: every query row the same
+
+
+def _key_padding(mask):
+    """An encoder's padding mask: which keys exist, the same for every query ([..., 1, n_kv]); others declined."""
+    if mask.shape[-2] != 1:
+        raise NotImplementedError("key-padding masks only: [..., 1, n_kv], the same for every query")
+    return mask
+
+
+@correct()
+def key_padding_only(Q, K, V, mask=None):
+    """Takes key-padding masks alone: the kit probes them and checks its masked path with them."""
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(~_key_padding(mask), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ V
+
+
+@buggy("mask-semantics", mistake="mask-inverted",
+       bug="a key-padding-only attention that masks the keys that exist (masked_fill(mask, -inf))")
+def key_padding_inverted(Q, K, V, mask=None):
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.masked_fill(_key_padding(mask), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ V
