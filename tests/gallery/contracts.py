@@ -137,3 +137,29 @@ def key_padding_inverted(Q, K, V, mask=None):
     if mask is not None:
         scores = scores.masked_fill(_key_padding(mask), float("-inf"))
     return torch.softmax(scores, dim=-1) @ V
+
+
+@correct("module")
+class KeyPaddingMultiHead(torch.nn.Module):
+    """An encoder layer whose mask says which keys exist ([..., 1, n_kv], as BERT's padding mask): others declined."""
+
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        self.h, self.d_k = n_heads, d_model // n_heads
+        self.W_Q, self.W_K, self.W_V, self.W_O = (torch.nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+
+    def forward(self, x_q, x_kv, mask=None):
+        def split(t):  # [n, d_model] -> [h, n, d_k]
+            return t.view(t.size(0), self.h, self.d_k).transpose(0, 1)
+        out = key_padding_only(split(self.W_Q(x_q)), split(self.W_K(x_kv)), split(self.W_V(x_kv)), mask)  # [h, n, d_k]
+        return self.W_O(out.transpose(0, 1).reshape(x_q.size(0), -1))  # [n, d_model]
+
+
+@buggy("mask-semantics", mistake="mask-inverted", convention="module",
+       bug="a key-padding-only encoder layer that masks the keys that exist (masked_fill(mask, -inf))")
+class KeyPaddingMultiHeadInverted(KeyPaddingMultiHead):
+    def forward(self, x_q, x_kv, mask=None):
+        def split(t):  # [n, d_model] -> [h, n, d_k]
+            return t.view(t.size(0), self.h, self.d_k).transpose(0, 1)
+        out = key_padding_inverted(split(self.W_Q(x_q)), split(self.W_K(x_kv)), split(self.W_V(x_kv)), mask)
+        return self.W_O(out.transpose(0, 1).reshape(x_q.size(0), -1))  # [n, d_model]
