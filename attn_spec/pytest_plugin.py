@@ -179,11 +179,12 @@ class Checker:
         """One item per property and per ``require`` entry, for the target ``key``, under ``parent``."""
         from attn_spec.checking.runner import applicable
         from attn_spec.targets.behaviours import parse_requirements
-        from attn_spec.targets.capabilities import parse_capabilities
+        from attn_spec.targets.capabilities import parse_capabilities, parse_length
 
         require = self.settings["require"]
         ids = [f"convention:{k}" for k in parse_requirements(require)] + \
-              [f"capability:{c}" for c in parse_capabilities(require)]
+              (["capability:length"] if parse_length(require) is not None else []) + \
+              [f"capability:{c}" for c in parse_capabilities(require) if c != "length" or parse_length(require) is None]
         return ([PropertyItem.from_parent(parent, name=name(p.id), prop=p, checker=self, key=key)
                  for p in applicable(self.plan.properties, self.targets[key])] +
                 [RequirementItem.from_parent(parent, name=name(i), requirement=i, checker=self, key=key)

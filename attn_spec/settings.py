@@ -31,7 +31,7 @@ CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex
 PROFILES = ("quick", "default", "thorough", "scale")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
-                "float64", "float16", "bfloat16")
+                "length", "float64", "float16", "bfloat16")
 BEHAVIOURS = ("fully-masked", "mask-polarity", "masked-nan", "causal-alignment", "weights-returned", "gqa-grouping")
 
 
@@ -107,7 +107,8 @@ _SETTINGS = (
             "shapes, the accelerator if there is one); with several, outputs must also agree across devices", kind="list", choices=("cpu", "cuda", "mps", "all"),
             metavar="DEVICE", flags=("--device", "--devices"), unset="all available"),
     Setting("require", f"fail unless the target has this capability ({', '.join(CAPABILITIES)}) or behaviour "
-            f"(KEY=VALUE as in the report header; keys: {', '.join(BEHAVIOURS)})", kind="list",
+            f"(KEY=VALUE as in the report header; keys: {', '.join(BEHAVIOURS)}), or length=N: the target must take "
+            f"sequences of N positions (a module's probed max length)", kind="list",
             metavar="CAPABILITY|KEY=VALUE"),
     Setting("expect", "file of properties known to fail or skip, one id per line with a # comment: they do not "
             "fail the run, and stale lines are reported", metavar="FILE", paths="file"),

@@ -236,7 +236,8 @@ def permutation_equivariance(target, case):
         where = "a hard-coded mask? a position-dependent term?"
     out = run(queries, keys, mask)  # [..., Tq, Dv]
     if case.n_q > 1:  # one query has no other order
-        got = run(queries[..., p, :], keys, None if mask is None else mask[..., p, :])
+        got = run(queries[..., p, :], keys, mask if mask is None or mask.shape[-2] == 1 else mask[..., p, :])  # key
+        # padding [..., 1, Tk]: the same for every query
         assert_close(got, out[..., p, :], budget=allowed,
                      what=f"the output for the queries permuted by {p.tolist()} against the permuted output rows",
                      call=f"{name}(Q[p], {kv})", labels=moved, cause=f"outputs depend on query positions ({where})")

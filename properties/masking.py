@@ -12,6 +12,7 @@ import torch
 from attn_spec import reference
 from attn_spec.checking import probes
 from attn_spec.checking.assertions import assert_close, fail
+from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
@@ -27,6 +28,26 @@ def push_limit(dtype: torch.dtype) -> float:
     """The largest raw score |q . k| the kit pushes inputs to: far beyond any softmax's
     comfort, yet representable, with headroom for the module adapter's input gain."""
     return min(1e6, torch.finfo(dtype).max / 64)
+
+
+def sink_levels(dtype: torch.dtype, multihead: bool = False) -> tuple[float, float]:
+    """The raw scores q . k that :func:`sunk_inputs` gives every pair, L and sqrt(L): L = 1e12 is far below
+    the finite fills of published code (-1e4 in older Hugging Face models, -1e9 in tutorials) and sqrt(L)
+    lies between them (which of the two a target leaks at tells its fill); in float16, L is what the dtype
+    holds (32752: below -1e4 up to d_k = 10). With headroom for a module adapter's input gain."""
+    top = min(1e12, torch.finfo(dtype).max / (64 if multihead else 2))
+    return top, math.sqrt(top)
+
+
+def sunk_inputs(q, k, level: float):
+    """Q', K' of the shapes of Q, K where every raw score is -level: q_i = a e_0, k_j = -a e_0, a = sqrt(level).
+
+    A correct attention gives each row uniform weights over its allowed keys, in any dtype; a mask
+    that *replaces* masked scores by a finite fill above -level / sqrt(d_k) hands all the weight to
+    the masked keys (one that adds the fill still ranks them lower: the push test catches that one)."""
+    q2, k2 = torch.zeros_like(q), torch.zeros_like(k)  # [..., Tq, Dk], [..., Tk, Dk]
+    q2[..., 0], k2[..., 0] = math.sqrt(level), -math.sqrt(level)
+    return q2, k2
 
 
 def _push_keys(q, k, masked, limit):
@@ -107,7 +128,28 @@ def mask_semantics(target, case):
              call="attention(Q, K, V=identity, mask)", cause=_leak_cause(w, allowed, q, k, mask), got=w,
              expected_tensor=reference.attention(q, k, k, mask)[1], labels=probes.WEIGHT_LABELS)
     _check_masked_inputs_unused(target, q, k, v, mask)
+    _check_sunk_rows(target, q, k, mask)
     _check_float_mask(target, case, q, k, v, mask)
+
+
+def _check_sunk_rows(target, q, k, mask):
+    """Allowed scores far below the common finite fills (every score of a row equal, at each of sink_levels):
+    masked keys keep exactly 0 weight. Both levels are read before judging, so that a diagnosis sees both."""
+    levels = sink_levels(q.dtype, target.convention in MULTIHEAD_CONVENTIONS)
+    sunk = [sunk_inputs(q, k, level) for level in levels]
+    weights = [probes.weights(target, q2, k2, mask).detach().to("cpu", F64) for q2, k2 in sunk]  # [..., Tq, Tk] each
+    for level, (q2, k2), w in zip(levels, sunk, weights):
+        allowed = mask.cpu().expand(w.shape)  # [..., Tq, Tk]
+        leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
+        if not (leak != 0).any():
+            continue
+        worst = leak.abs().nan_to_num(math.inf).max().item()
+        fail(f"{worst:.3g}", what=f"the largest weight on a masked key when every score is {-level / math.sqrt(q.shape[-1]):.3g}",
+             expected="exactly 0", call="attention(Q', K', V=identity, mask), q_i = a e_0, k_j = -a e_0",
+             cause="masked scores are replaced by a finite fill (masked_fill(~mask, -1e4) or -1e9) that lies above "
+                   "the allowed scores, so the masked keys take the weight (fill with -inf or finfo(dtype).min)"
+             if (leak.nan_to_num(0.0).sum(dim=-1) > 0.5).any() else _leak_cause(w, allowed, q2, k2, mask),
+             got=w, expected_tensor=reference.attention(q2, k2, k2, mask)[1], inputs={"Q'": q2, "K'": k2})
 
 
 def _check_masked_inputs_unused(target, q, k, v, mask):
@@ -118,7 +160,8 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
 
     def own(t):  # [..., R, Tq, D] -> [..., R, 1, D]: each element's own query
         return t[..., pick[0], pick[1], :].unsqueeze(-2)
-    masked = ~own(ms).transpose(-2, -1)  # [..., R, Tk, 1] keys masked for each element's query
+    masked = ~(ms if ms.shape[-2] == 1 else own(ms)).transpose(-2, -1)  # [..., R, Tk, 1] keys masked for each
+    # element's query (a key-padding mask [..., 1, Tk] is every query's own)
     limit = push_limit(q.dtype)
     loud_k, loud_v = _push_keys(own(qs), ks, masked, limit), torch.where(masked, vs + limit, vs)
     base = own(target.attend(qs, ks, vs, ms))  # [..., R, 1, Dv]

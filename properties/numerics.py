@@ -15,7 +15,8 @@ from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.assertions import assert_close, assert_within
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.properties.masking import push_limit
+from attn_spec.properties.masking import push_limit, sink_levels, sunk_inputs
+from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.checking.tolerance import budget, max_error
 from attn_spec.errors import Uninformative
 from attn_spec.properties.informative import require_responsive
@@ -212,7 +213,8 @@ def beyond_exp(dtype: torch.dtype) -> float:
       at_scale={"masks": ("none",)},
       examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float32", seed=0),
                 Case(n_q=2, n_kv=3, d_k=2, d_v=2, dtype="float16", seed=1),
-                Case(n_q=3, n_kv=2, d_k=2, d_v=1, seed=2)],
+                Case(n_q=3, n_kv=2, d_k=2, d_v=1, seed=2),
+                Case(n_q=3, n_kv=3, d_k=2, d_v=2, dtype="float16", mask="causal", seed=3)],
       lesson=Lesson(unicode="softmax(s)ⱼ = exp(sⱼ − maxₖ sₖ) / Σₗ exp(sₗ − maxₖ sₖ)   finite for |s| ≫ log(finfo.max)",
                     latex=r"\mathrm{softmax}(s)_j = \frac{e^{s_j - \max_k s_k}}{\sum_l e^{s_l - \max_k s_k}}\ \text{finite for}\ |s| \gg \log(\mathrm{finfo.max})",
                     check="Scales some query rows so their largest score is far beyond exp's range in the dtype and compares "
@@ -222,7 +224,12 @@ def numerical_stability(target, case):
     """With even query rows scaled (or negated) so that their largest allowed score is
     +4 log(finfo.max) (44 in float16, 355 in float32, 2839 in float64) and odd rows left as
     they are, attn matches the float64 reference within budget, with no NaN or inf. Q K^T
-    stays representable.
+    stays representable. Then inputs whose every score is the same very negative number (-1e6 / sqrt(d_k);
+    float16: -181 / sqrt(d_k)): each row's output is the mean of its allowed V.
+
+    The second part catches a mask that *replaces* masked scores by a finite fill (-1e4 in older
+    Hugging Face models) in float32: allowed scores below the fill hand the weight to the masked keys
+    (mask-semantics reads those weights in every dtype, down to -1e12).
 
     softmax(s) = exp(s - max_j s_j) / sum_j exp(s_j - max_j s_j) is exact in any range; exp(s)
     alone overflows past log(finfo.max). Why: trained models do produce such scores (large
@@ -251,3 +258,30 @@ def numerical_stability(target, case):
     ref.check(got, call="attention(Q', K, V), Q' = Q with some rows scaled",
               what=f"the output with scores up to {beyond_exp(q.dtype):.3g} in some rows against the float64 "
                    f"reference", cause=cause)
+    if chunked.fits(q, k, v, mask):  # a second call of the same size; at fixed large shapes, the first alone
+        _check_sunk_rows(target, q, k, v, mask)
+
+
+def _check_sunk_rows(target, q, k, v, mask):
+    """Rows whose every score is the same very negative number (the lower of sink_levels): each row's output is
+    the mean of its allowed values."""
+    runs = []
+    # The lower level only: at -1e12 a correct exp(s - logsumexp(s)) in float32 cannot hold log(n_kv) beside s
+    # (mask-semantics reads the masked weights there, which stay exactly 0).
+    for level in sink_levels(q.dtype, target.convention in MULTIHEAD_CONVENTIONS)[1:]:
+        q2, k2 = sunk_inputs(q, k, level)
+        runs.append((level, q2, k2, target.attend(q2, k2, v, mask)))  # [..., Tq, Dv]
+    for level, q2, k2, got in runs:
+        expected = reference.attention(q2, k2, v, mask)[0]
+        allowed = budget(q2, k2, v, mask, expected)
+
+        def cause(got=got, q2=q2, k2=k2, allowed=allowed):
+            if not torch.isfinite(got).all():
+                return "exp underflows to 0/0 on very negative scores: subtract each row's max before exp"
+            if mask is not None and max_error(got, reference.attention(q2, k2, v, ~mask)[0]) <= max(allowed, 1e-3):
+                return ("masked scores are replaced by a finite fill (masked_fill(~mask, -1e4) or -1e9) that lies "
+                        "above the allowed scores: the masked keys take the weight (fill with -inf or finfo(dtype).min)")
+            return "very negative scores lose the row's weights (a clamp on the scores, or a finite fill above them?)"
+        assert_close(got, expected, budget=allowed, call="attention(Q', K', V), q_i = a e_0, k_j = -a e_0",
+                     what=f"the output when every score is {-level / math.sqrt(q.shape[-1]):.3g} against the float64 "
+                          f"reference", cause=cause)

@@ -274,7 +274,7 @@ LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) g
                 "head dims up to 256 work and match the reference",
       cases={"batch": False}, after=("determinism", "matches-reference", "numerical-stability"),
       at_scale="the fixed shapes are the long sequences: matches-reference checks them",
-      examples=[Case(n_q=4, n_kv=520, d_k=16, d_v=8, dtype="float16", values="normal", magnitude=1.75),
+      examples=[Case(n_q=4, n_kv=130, d_k=16, d_v=8, dtype="float16", values="normal", magnitude=2.5),
                 Case(n_q=8, n_kv=160, d_k=256, d_v=256, dtype="float32", values="normal", seed=1),
                 Case(n_q=64, n_kv=160, d_k=64, d_v=32, dtype="float32", mask="causal", values="normal", seed=2)],
       lesson=Lesson(unicode="|attn(Q, K, V) − ref₆₄| ≤ budget   for n_kv in the hundreds or thousands, d_k ≤ 256",
@@ -282,7 +282,8 @@ LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) g
                     check="Draws four times as many keys as usual (and wide heads) and compares with the reference.",
                     example="output"))
 def long_sequences(target, case):
-    """attn(Q, K, V) matches the reference with n_kv = 4 * (drawn n_kv) keys and the drawn d_k (up to 256).
+    """attn(Q, K, V) matches the reference with n_kv = 4 * (drawn n_kv) keys and the drawn d_k (up to 256),
+    at most the target's probed max length (a module with a fixed position buffer: ``max length 1024``).
 
     A causal case becomes the last n_q positions of the long sequence (bottom-right causal
     mask), as in KV-cache decoding. Why: toy sizes hide every bug that needs many keys or
@@ -291,9 +292,10 @@ def long_sequences(target, case):
     thousands of exponentials overflows), a head-dim limit that ignores dims beyond a tile.
     """
     require_responsive(target, case)
-    square = not supports(target).cross  # a self-attention target: n_q = n_kv, the whole long sequence
-    got = target.attend(*_long_inputs(case, square))  # [Tq, Dv]
-    q, k, v, mask = _long_inputs(case, square)  # the kit's own copies: the target may write into its inputs
+    takes = supports(target)
+    square = not takes.cross  # a self-attention target: n_q = n_kv, the whole long sequence
+    got = target.attend(*_long_inputs(case, square, takes.max_length))  # [Tq, Dv]
+    q, k, v, mask = _long_inputs(case, square, takes.max_length)  # the kit's own copies: the target may write into them
     expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
     allowed = budget(q, k, v, mask, expected)
     assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
@@ -302,10 +304,10 @@ def long_sequences(target, case):
                  cause=lambda: _diagnose_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed))
 
 
-def _long_inputs(case, square=False):
+def _long_inputs(case, square=False, max_length=None):
     """Q [Tq, Dk], K [4 Tk, Dk], V [4 Tk, Dv] and the mask of the case, stretched to many keys
-    (``square``: as many queries as keys)."""
-    n_kv = max(LONG_KEYS * case.n_kv, case.n_q)
+    (``square``: as many queries as keys; ``max_length``: at most the target's probed max length)."""
+    n_kv = min(max(LONG_KEYS * case.n_kv, case.n_q), max_length or math.inf)
     case = case.replace(n_q=n_kv) if square else case
     q, k, v, mask = case.replace(n_kv=n_kv, mask="none" if case.mask == "causal" else case.mask).tensors()
     if case.mask == "causal":

@@ -89,6 +89,19 @@ def test_fully_masked_row(fn, expected):
     assert _probe(fn)["fully-masked"] == expected
 
 
+def test_fully_masked_row_of_a_kernel_without_masks_is_read_through_is_causal():
+    """A [B, S, H, D] kernel with no mask argument: 3 queries over 2 keys, bottom-right, leave query 0 without keys;
+    top-left (SDPA's is_causal alone) never does."""
+    from gallery.contracts import flash_empty_rows_nan, flash_empty_rows_zeros
+
+    assert _probe(flash_empty_rows_nan, "sdpa")["fully-masked"] == "nan"
+    assert _probe(flash_empty_rows_zeros, "sdpa")["fully-masked"] == "zeros"
+
+    def top_left_only(query, key, value, is_causal=False):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=is_causal)
+    assert _probe(top_left_only, "sdpa")["fully-masked"] == "n/a"
+
+
 @pytest.mark.parametrize("fn, expected", [(nan_rows, "true-attends"), (true_ignores, "true-ignores"),
                                           (ignores_mask, "other"), (rejects_masks, "raises")])
 def test_mask_polarity(fn, expected):

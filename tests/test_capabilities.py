@@ -227,3 +227,48 @@ def test_the_header_never_contradicts_the_table(obj, convention):
         for prop in passed:
             assert not lacking & used.get(prop, set()), (
                 f"the header says {name}={value} ({report.lacks.get(name)}), but {prop} exercised it and passed")
+
+
+def positions_up_to_300(Q, K, V, mask=None):
+    """A fixed position buffer of 300 added to the scores: beyond it, torch's size check fails (as nanoGPT's tril)."""
+    bias = torch.zeros(300, 300, dtype=Q.dtype, device=Q.device)
+    scores = Q @ K.transpose(-2, -1) + bias[:Q.shape[-2], :K.shape[-2]] * 0  # RuntimeError beyond 300 when n_q != n_kv
+    if max(Q.shape[-2], K.shape[-2]) > 300:
+        scores = scores + bias  # the size of tensor a must match the size of tensor b
+    return seed_attention(Q, K, V, mask)
+
+
+def refuses_beyond_100(Q, K, V, mask=None):
+    if max(Q.shape[-2], K.shape[-2]) > 100:
+        raise NotImplementedError("sequences up to 100 positions")
+    return seed_attention(Q, K, V, mask)
+
+
+def test_max_length_is_found_by_bisection_on_a_refusal_or_a_shape_crash():
+    target = make_target(refuses_beyond_100)
+    values, lacks = probe_capabilities(target)
+    assert values["length"] == "100" and "at 101" in lacks["length"] and "up to 100 positions" in lacks["length"]
+    assert target.supported.max_length == 100  # what the properties draw up to
+    values, _ = probe(positions_up_to_300)
+    assert values["length"] == "300"
+    assert probe(seed_attention)[0]["length"] == "yes"
+
+
+def test_max_length_shows_in_the_header_bounds_the_draws_and_can_be_required():
+    report = attn_spec.check(refuses_beyond_100, only=["long-sequences"], dtypes=["float32"], **QUICK)
+    (result,) = report.targets[0].properties
+    assert report.conforms and result.status == "pass" and "unsupported" not in (result.message or "")
+    assert "autograd, max length 100" in str(report) and report.to_dict()["targets"][0]["capabilities"]["length"] == "100"
+    assert "max length" not in str(attn_spec.check(seed_attention, only=["scale-sqrt-dk"], dtypes=["float32"], **QUICK))
+    results = {}
+    for need in (100, 101):
+        r = attn_spec.check(refuses_beyond_100, only=["scale-sqrt-dk"], dtypes=["float32"], require=[f"length={need}"],
+                            **QUICK)
+        results[need] = next(p for p in r.targets[0].properties if p.id == "capability:length")
+    assert results[100].status == "pass"
+    assert results[101].status == "fail" and results[101].message.startswith("required length=101, found max length 100")
+
+
+def test_cli_require_length_usage_error(no_mask_file, capsys):
+    assert _cli(no_mask_file, "length=many") == 2
+    assert "expected a positive number of positions" in capsys.readouterr().err

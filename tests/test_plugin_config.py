@@ -103,6 +103,15 @@ def test_expected_failures_are_xfails_and_requirements_are_items(attn_project):
     assert "required capability scale, found no" in result.stdout.str()
 
 
+def test_a_required_length_is_an_item(attn_project):
+    (attn_project.path / "pyproject.toml").write_text(
+        '[tool.attn-spec]\ntargets = ["attn_ok.py:attention"]\nprofile = "quick"\nseed = 3\n'
+        'only = ["rows-sum-to-one"]\nrequire = ["length=64"]\n')
+    result = attn_project.runpytest_subprocess("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*::capability:length PASSED*"])
+
+
 MARKED = """
 import pytest
 

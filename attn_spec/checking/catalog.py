@@ -76,7 +76,7 @@ class Property:
             wanted = tuple(d for d in wanted if d in dtypes) or tuple(dtypes)
         make = strategies.mha_cases if self.uses_multihead(convention) else strategies.cases
         if make is strategies.mha_cases:
-            options = {key: val for key, val in options.items() if key in ("masks",)}
+            options = {key: val for key, val in options.items() if key in ("masks", "max_length")}
         return make(profile, dtypes=wanted or dtypes or tuple(strategies.DTYPES), devices=devices, **options)
 
     def examples_for(self, convention: str):

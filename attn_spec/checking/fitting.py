@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from attn_spec.checking.cases import Case
 
-MASK_NAMES = {"none": "calls without a mask", "random": "masks that are not causal", "causal": "causal masks"}
+MASK_NAMES = {"none": "calls without a mask", "random": "masks that are not causal", "causal": "causal masks",
+              "padding": "key-padding masks"}
 
 
 class NotCheckable(Exception):
@@ -27,14 +28,18 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     """(strategy options, dtypes, notes): the options that draw only inputs the target takes, the dtypes
     among ``dtypes`` it takes, and what is left undrawn as a result; NotCheckable when nothing is left."""
     options, notes = {}, []
-    wanted = tuple(prop.case_options.get("masks", MASK_NAMES))
+    wanted = tuple(prop.case_options.get("masks", ("none", "random", "causal")))
+    if "random" in wanted and "padding" in supports.masks and not prop.uses_multihead(convention):
+        wanted += ("padding",)  # a key-padding-only target: its masks stand in for the random ones
     masks = tuple(kind for kind in wanted if kind in supports.masks)
-    declined = [MASK_NAMES[kind] for kind in wanted if kind not in masks]
+    declined = [MASK_NAMES[kind] for kind in wanted if kind not in masks and kind != "padding"]
     if not masks:
         raise NotCheckable(f"it needs {' or '.join(declined)}, which the target declines{_why(supports, 'mask', 'unmasked')}")
     if declined:
         notes.append(f"{', '.join(declined)}{_why(supports, 'unmasked' if 'none' not in masks else 'mask')}")
     options["masks"] = masks
+    if supports.max_length is not None:  # a fixed position buffer: lengths up to it
+        options["max_length"] = supports.max_length
     taken = [d for d in dtypes if d in supports.dtypes]
     if not taken:
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
@@ -58,8 +63,12 @@ def fit_case(case, options: dict, dtypes, devices):
     own if checked, else the first (an hf target is checked without float64, where examples are written)."""
     case = case.replace(dtype=case.dtype if case.dtype in dtypes else dtypes[0],
                         device=case.device if case.device in devices else devices[0])
+    limit = options.get("max_length")
+    if limit is not None and max(case.n_q, case.n_kv) > limit:
+        case = case.replace(n_q=min(case.n_q, limit), n_kv=min(case.n_kv, limit))
     if case.mask not in options["masks"]:
-        case = case.replace(mask="causal" if "causal" in options["masks"] else options["masks"][0])
+        case = case.replace(mask="padding" if case.mask == "random" and "padding" in options["masks"] else
+                            "causal" if "causal" in options["masks"] else options["masks"][0])
     if isinstance(case, Case):
         if options.get("square"):
             case = case.replace(n_q=max(case.n_q, case.n_kv), n_kv=max(case.n_q, case.n_kv))

@@ -20,7 +20,7 @@ from attn_spec.targets.conventions import MOD_CONVENTIONS, Target
 from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
-from attn_spec.targets.capabilities import Supports, parse_capabilities, probe_capabilities, supports
+from attn_spec.targets.capabilities import Supports, parse_capabilities, parse_length, probe_capabilities, supports
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, TargetRaised, Uninformative, Unsupported
@@ -304,6 +304,14 @@ def _requirements(report: TargetReport, require) -> list[PropertyResult]:
         if report.behaviours.get(key) != value:
             result.status = "fail"
             result.message = f"required {key}={value}, found {key}={report.behaviours.get(key, 'not probed')}"
+        results.append(result)
+    need = parse_length(require)
+    if need is not None:  # length=N: the probed max length reaches N (or no limit was found)
+        found = report.capabilities.get("length", "not probed")
+        result = PropertyResult("capability:length", "pass", statement=f"required: sequences of {need} positions")
+        if not (found == "yes" or (found.isdigit() and int(found) >= need)):
+            result.status = "fail"
+            result.message = f"required length={need}, found max length {found}: {report.lacks.get('length', '')}"
         results.append(result)
     for name in parse_capabilities(require):
         result = PropertyResult(f"capability:{name}", "pass", statement=f"required capability: {name}")

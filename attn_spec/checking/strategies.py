@@ -57,7 +57,7 @@ PROFILES = {
 }
 
 
-MASK_KINDS = ("none", "random", "causal")
+MASK_KINDS = ("none", "random", "causal", "padding")  # padding: key-padding masks [..., 1, Tk]
 
 
 def get_profile(name: str) -> Profile:
@@ -83,7 +83,8 @@ def checked(values, allowed, what):
 
 def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
           masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
-          min_n_kv: int = 1, square: bool = False, same_width: bool = False) -> st.SearchStrategy[Case]:
+          min_n_kv: int = 1, square: bool = False, same_width: bool = False,
+          max_length: int | None = None) -> st.SearchStrategy[Case]:
     """Attention cases for one profile.
 
     - ``dtypes``: dtype names drawn from, first one preferred when shrinking (default all four).
@@ -94,6 +95,7 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     - ``batch``: True forces leading batch/head dims, False forbids them, None draws both.
     - ``min_n_kv``: the fewest keys (probes that compare two keys need 2).
     - ``square``: n_kv = n_q (for targets that do self-attention only); ``same_width``: d_v = d_k.
+    - ``max_length``: n_q and n_kv at most this (a target's probed max length: a fixed position buffer).
 
     Examples shrink towards one query, one key, width 1, float64, integer entries.
     """
@@ -134,6 +136,8 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
             n_q = n_kv = max(n_q, n_kv)
         if same_width:
             d_v = d_k
+        if max_length is not None:
+            n_q, n_kv = min(n_q, max_length), min(n_kv, max_length)
         fields = draw_(rest)
         if len(fields["batch"]) < 2:
             fields["layout"] = "contiguous"  # the heads layout needs [..., B, H, n, d]
@@ -143,13 +147,15 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
 
 
 def mha_cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
-              masks=("none", "random", "causal")) -> st.SearchStrategy[MhaCase]:
-    """Multi-head cases: d_model = n_heads * d_head with 1..4 heads; shrinks towards 1 head."""
+              masks=("none", "random", "causal"), max_length: int | None = None) -> st.SearchStrategy[MhaCase]:
+    """Multi-head cases: d_model = n_heads * d_head with 1..4 heads; shrinks towards 1 head (``max_length``: see cases)."""
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     dtypes = checked(dtypes, DTYPES, "dtypes")
     devices = checked(devices or available_devices(), available_devices(), "devices")
     masks = checked(masks, MASK_KINDS, "masks")
     length = sizes(prof.small, prof.lengths[:2])
+    if max_length is not None:
+        length = length.map(lambda n: min(n, max_length))
     return st.builds(
         lambda n_q, n_kv, d_head, n_heads, **kw: MhaCase(n_q=n_q, n_kv=n_kv, d_model=d_head * n_heads,
                                                          n_heads=n_heads, **kw),

@@ -222,13 +222,14 @@ def is_causal_ignored(q, k, v, mask, scale, is_causal):
 
 
 @mistake("is-causal-diagonal-masked", family="arguments", arguments=True, caught_by=("is-causal",),
-         params=({"first_key": True}, {"first_key": False}),
+         params=({"first_key": True}, {"first_key": False}, {"first_key": False, "alignment": "bottom-right"}),
          sentence="the causal triangle is off by one: it masks the diagonal too (triu(diagonal=0) or tril(-1)), "
                   "so no query sees its own key",
          fix="keep j <= i: torch.ones(n_q, n_kv, dtype=torch.bool).tril() (or masked_fill(triu(diagonal=1)))")
-def is_causal_diagonal_masked(q, k, v, mask, scale, is_causal, first_key):
+def is_causal_diagonal_masked(q, k, v, mask, scale, is_causal, first_key, alignment="top-left"):
     if is_causal:
-        tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(-1)  # [Tq, Tk], the diagonal masked
+        offset = 0 if alignment == "top-left" else k.shape[-2] - q.shape[-2]  # bottom-right: the last query, the last key
+        tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(offset - 1)  # [Tq, Tk], the diagonal masked
         if first_key:
             tril[:, 0] = True  # ... with key 0 kept so that row 0 is not empty
         mask = tril if mask is None else tril & mask

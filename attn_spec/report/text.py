@@ -129,8 +129,9 @@ def header_lines(t: TargetReport) -> list[str]:
                      + " (what the target does where conventions differ, probed on tiny inputs: a description, "
                        "never a failure)")
     if t.capabilities:
-        has = [name if value == "yes" else f"{name} ({value})" for name, value in t.capabilities.items()
-               if value not in ("no", "raises", "error", "n/a", "unchecked")]
+        has = [f"max length {value}" if name == "length" else name if value == "yes" else f"{name} ({value})"
+               for name, value in t.capabilities.items() if value not in ("no", "raises", "error", "n/a", "unchecked")
+               and not (name == "length" and value == "yes")]  # no limit up to the probe's ceiling: not news
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))

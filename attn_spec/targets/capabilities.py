@@ -10,7 +10,9 @@ a failing result ``capability:<name>``.
 capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ==============  ==================================================================
 ``mask``        a bool mask argument: a mask that is not causal, and a causal one;
-                ``causal-only`` when the target declines every mask but the causal one
+                ``causal-only`` when the target declines every mask but the causal one;
+                ``key-padding`` when it declines both but takes a key-padding mask [1, Tk] (every
+                query row the same): the properties then draw key-padding masks for it
 ``unmasked``    a call without a mask (a causal-only module declines it; an hf function
                 that raises on attention_mask=None but runs with a mask lacks it)
 ``batch``       leading batch dims: Q, K, V [2, 2, 2]
@@ -22,6 +24,10 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
                 raising = lacking it, except where GQA is part of the contract (flex,
                 hf under --require gqa or a GQA config: Target.raising_declines)
+``length``      the largest sequence length it takes: ``yes`` at LENGTH_CEILING positions (self-attention
+                [n, 2]); else the largest n, found by bisection on its own refusal or a crash at a
+                shape check (a fixed position buffer: nanoGPT's ``bias`` of ``block_size``), reported
+                as ``max length N``; the properties then draw up to N (``--require length=N``)
 ``float64``,    the baseline in that dtype; ``unchecked`` when ``--dtypes`` leaves it out
 ``float16``,
 ``bfloat16``
@@ -46,7 +52,8 @@ from attn_spec.reference import causal_mask
 from attn_spec.targets.base import FUNCTION_CONVENTIONS
 
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
-                "float64", "float16", "bfloat16")
+                "length", "float64", "float16", "bfloat16")
+LENGTH_CEILING = 4096  # beyond every length the profiles draw (long-sequences at thorough: 2048 keys)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class Supports:
     batch: bool = True  # leading batch/head dims
     dv_ne_dk: bool = True  # d_v != d_k
     dtypes: tuple[str, ...] = tuple(DTYPES)
+    max_length: int | None = None  # the longest sequence it takes (None: no limit up to LENGTH_CEILING)
     why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
 
 
@@ -92,12 +100,16 @@ def _masks(target, dtype, device) -> dict:
     q, k, v = (_t(2, 2, dtype=dtype, device=device, seed=s) for s in range(3))
     causal = causal_mask(2, 2, device=device)  # [Tq, Tk], True = may attend
     other = torch.tensor([[False, True], [True, True]], device=device)  # row 0 attends key 1 only: not causal
+    padding = torch.tensor([[False, True]], device=device)  # [1, Tk]: every query ignores key 0 (key padding)
     found = {"unmasked": _outcome(lambda: target.attend(q, k, v))}
     with_causal, with_other = _outcome(lambda: target.attend(q, k, v, causal)), _outcome(lambda: target.attend(q, k, v, other))
     if found["unmasked"][0] == "raises" and "unmasked" in target.raising_declines and "yes" in (with_causal[0], with_other[0]):
         found["unmasked"] = ("no", f"raises without a mask, runs with one: {found['unmasked'][1]}")
     if with_causal[0] == "yes" and with_other[0] == "no":
         found["mask"] = ("causal-only", f"only causal masks: {with_other[1]}")
+    elif with_other[0] == "no" and with_causal[0] == "no" and _outcome(lambda: target.attend(q, k, v, padding))[0] == "yes":
+        found["mask"] = ("key-padding", f"only key-padding masks ([..., 1, n_kv], every query row the same): "
+                                        f"{with_other[1]}")
     else:
         found["mask"] = next((o for o in (with_other, with_causal) if o[0] in ("raises", "error")),
                              next((o for o in (with_other, with_causal) if o[0] == "no"), ("yes", "")))
@@ -130,6 +142,50 @@ def _probes(target, dtype, device, masked: bool):
     return probes
 
 
+def _shape_crash(exc: TargetRaised) -> bool:
+    """A crash at a shape check: an index or assertion error, or torch's size mismatch (a fixed buffer)."""
+    return isinstance(exc.exc, (IndexError, AssertionError, ValueError)) or (
+        isinstance(exc.exc, RuntimeError) and any(word in str(exc.exc) for word in ("size", "shape", "dimension")))
+
+
+def _max_length(target, dtype, device, masked: bool) -> tuple[str, str]:
+    """("yes", "") when self-attention over LENGTH_CEILING positions runs; else (str(N), why) with N the largest
+    length it takes, by bisection. Only the target's own refusal or a crash at a shape check is a limit."""
+    def takes(n):
+        q, k, v = (_t(n, 2, dtype=dtype, device=device, seed=s) for s in range(3))  # [T, D=2] each
+        try:
+            target.attend(q, k, v, causal_mask(n, n, device=device) if masked else None)
+            return True, ""
+        except Unsupported as exc:
+            return False, str(exc)
+        except TargetRaised as exc:
+            if _shape_crash(exc):
+                return False, exc.message
+            raise
+    try:
+        ok, why = takes(LENGTH_CEILING)
+        if ok or not takes(2)[0]:
+            return "yes", ""
+        lo, hi = 2, LENGTH_CEILING  # takes lo, not hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok, reason = takes(mid)
+            lo, hi, why = (mid, hi, why) if ok else (lo, mid, reason)
+        return str(lo), f"takes up to {lo} positions; at {hi}: {why}"
+    except (Failure, RuntimeError, MemoryError):  # another crash, or too big for this machine: no limit to report;
+        return "yes", ""  # long-sequences shows a crash itself
+
+
+def parse_length(items) -> int | None:
+    """The N of a ``length=N`` among ``--require`` items (the shortest sequence the target must take), or None."""
+    found = [item.partition("=")[2] for item in items or () if item.startswith("length=")]
+    if not found:
+        return None
+    if not found[-1].isdigit() or int(found[-1]) < 1:
+        raise KitUsageError(f"length={found[-1]!r}: expected a positive number of positions, e.g. --require length=2048")
+    return int(found[-1])
+
+
 def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tuple[dict, dict]:
     """(values, reasons): ``{"mask": "yes", "scale": "no", ...}`` and, for each capability that is not
     ``yes``, why (the target's own words where it gave them). Also keeps what the target takes on
@@ -144,6 +200,7 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
             found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")
+    found["length"] = _max_length(target, base, device, masked)
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
     target.supported = _supports(values, reasons)
@@ -153,13 +210,16 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
 def _supports(values: dict, reasons: dict) -> Supports:
     """What to draw for a target with these capabilities: everything but what it declined."""
     declined = {name for name, value in values.items() if value == "no"}
+    key_padding = values["mask"] == "key-padding"
     masks = tuple(kind for kind, takes in (("none", "unmasked" not in declined),
-                                           ("random", values["mask"] not in ("no", "causal-only")),
-                                           ("causal", "mask" not in declined)) if takes)
-    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk") if name in reasons
-           and (name in declined or values[name] == "causal-only")}
+                                           ("random", values["mask"] not in ("no", "causal-only", "key-padding")),
+                                           ("causal", "mask" not in declined and not key_padding),
+                                           ("padding", key_padding)) if takes)
+    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk", "length") if name in reasons
+           and (name in declined or values[name] in ("causal-only", "key-padding"))}
     return Supports(masks=masks, cross="cross" not in declined, batch="batch" not in declined,
                     dv_ne_dk="dv-ne-dk" not in declined,
+                    max_length=int(values["length"]) if values["length"].isdigit() else None,
                     dtypes=tuple(name for name in DTYPES if name not in declined), why=why)
 
 
@@ -175,6 +235,7 @@ def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
 
 def parse_capabilities(items) -> list[str]:
     """The capability names among ``--require`` items (those without ``=``); unknown names are a usage error."""
+    parse_length(items)
     names = [item for item in items or () if "=" not in item]
     unknown = [name for name in names if name not in CAPABILITIES]
     if unknown:

@@ -109,8 +109,8 @@ class ModuleTarget(Target):
         weights["W_V"][idv, v_at + idv] = 1  # V block -> head columns 0:d_v
         weights["W_O"] = torch.eye(d_model, dtype=q.dtype, device=q.device)
         q, k, v = q.expand(*batch, n_q, d_k), k.expand(*batch, n_kv, d_k), v.expand(*batch, n_kv, d_v)
-        if mask is not None:
-            mask = mask.expand(*batch, n_q, n_kv)
+        if mask is not None:  # a key-padding mask [..., 1, Tk] stays one row: the module sees it as given
+            mask = mask.expand(*batch, mask.shape[-2], n_kv)
         module = self._build(d_model, 1, weights, q.dtype, q.device)  # loaded once: a vjp's graph saves the weights
         rows = []
         for index in (torch.cartesian_prod(*[torch.arange(n) for n in batch]).reshape(-1, len(batch)).tolist()
