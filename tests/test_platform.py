@@ -145,11 +145,15 @@ def test_the_control_is_silent_where_the_platform_is_sound_or_the_dtype_overflow
     assert platform.control([("attend", {"q": big, "k": big, "v": big[:, :2], "mask": None})]) is None
 
 
-def test_the_issues_case_on_this_cpu_is_a_platform_note():
-    """The issue's minimal case, on this CPU's torch: a platform note where the CPU shows the defect."""
+def test_the_issues_case_on_this_cpu_is_a_platform_note(capsys):
+    """The issue's minimal case, on this CPU's torch: a platform note where the CPU shows the defect, also
+    through attn_spec.reproduce (non-contiguous lays Q and K out as the issue's padded_view does)."""
     Q, K = torch.ones(17, 59, dtype=torch.bfloat16), torch.ones(5, 59, dtype=torch.bfloat16)
     if not (_padded(Q) @ _padded(K).T).isnan().any():
         pytest.skip(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) does not show the defect")
     V = torch.ones(5, 4, dtype=torch.bfloat16)
     found = platform.control([("attend", {"q": _padded(Q), "k": _padded(K), "v": V, "mask": None})])
     assert found is not None and found[3] == "the output" and found[4].startswith("NaN")
+    attn_spec.reproduce("non-contiguous", SEED, Case(n_q=17, n_kv=5, d_k=59, d_v=4, dtype="bfloat16",
+                                                     values="normal", seed=1))
+    assert "platform defect, not the target's" in capsys.readouterr().out

@@ -65,7 +65,7 @@ class Inputs:
 def judge(prop, target, case) -> None:
     """``prop.fn(target, case)``; a failure that the kit's own formula shows too on the inputs of its calls is
     the platform's: PlatformDefect instead of the Failure. Its note is made once per kind of defect and target
-    (``target.platform_notes``), and names each property that lost cases to it."""
+    (``target.platform_notes``); the report counts the cases and properties it took."""
     if getattr(target, "recorder", True) is not None:  # a diagnosis is recording its replays: no second recorder
         prop.fn(target, case)
         return
@@ -86,8 +86,6 @@ def judge(prop, target, case) -> None:
         note = target.platform_notes.get(key)
         if note is None:
             note = target.platform_notes[key] = _note(kind, x, form, part, defect)
-        if prop.id not in note["properties"]:
-            note["properties"].append(prop.id)
         raise PlatformDefect(note) from failure
     finally:
         target.recorder = None
@@ -319,5 +317,4 @@ def _note(kind: str, x: dict, form: str, part: str, defect: str) -> dict:
                        for name, t in named.items()],
             "workaround": workaround(kind, x, form),
             "reproduce": snippet(kind, inputs, form, scale=scale, cap=cap, n_heads=heads,
-                                 budgets=_expected(kind, x)[1], title=title),
-            "properties": []}
+                                 budgets=_expected(kind, x)[1], title=title)}

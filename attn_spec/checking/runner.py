@@ -190,10 +190,10 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     if result.status == "pass" and not supported[0]:  # it ran on no input: not a pass
         result.status = "skip"
         result.message = f"not checked: {unsupported[0] if unsupported else lost(result) or 'no input was drawn'}"
-    elif result.platform and result.status == "pass":
-        result.message = "; ".join(filter(None, [result.message, lost(result)]))
     elif unsupported and result.status == "pass":
         result.message = f"checked on {supported[0]} supported inputs; others skipped: {unsupported[0]}"
+    if result.platform and result.status == "pass":
+        result.message = "; ".join(filter(None, [result.message, lost(result)]))
     if not_drawn and result.status == "pass":
         result.message = "; ".join(filter(None, [result.message, f"not drawn: {'; '.join(not_drawn)}"]))
     return result
