@@ -16,10 +16,12 @@ from attn_spec.checking.runner import check_target
 from attn_spec.checking import rows
 from attn_spec.checking.shapes import Rung, rungs
 from attn_spec.checking.strategies import get_profile
-from attn_spec.errors import Failure, KitUsageError, TargetLoadError, Uninformative
+from attn_spec.checking.platform import judge
+from attn_spec.errors import Failure, KitUsageError, PlatformDefect, TargetLoadError, Uninformative
 from attn_spec.properties import select
 from attn_spec.report import Report
 from attn_spec.report.ci import Expectations
+from attn_spec.report.text import REPRODUCE_PLATFORM, platform_head
 from attn_spec.targets.behaviours import parse_requirements
 from attn_spec.targets.capabilities import parse_capabilities
 from attn_spec.targets.conventions import Target, load, make_target, parse_masks
@@ -192,7 +194,8 @@ def config_keywords(**values) -> attn_settings.Layer:
 
 
 def reproduce(property_id: str, target, case, *, convention=None, masks=None, require=None, **options) -> None:
-    """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold.
+    """Run one property on one case; raises the Failure (with its diagnosis) if it does not hold. A failure
+    that the kit's own formula shows too on the same inputs is the platform's: printed as a platform note.
 
     ``masks`` and ``options`` (layout, expect_mask, expect_score, hf_module_attr, hf_config): make_target's
     keywords, as a report's snippet gives them; ``require``: the capabilities the check required (--require)."""
@@ -203,9 +206,13 @@ def reproduce(property_id: str, target, case, *, convention=None, masks=None, re
     if require:
         adapter.required = frozenset(parse_capabilities(require))
     try:
-        prop.fn(adapter, case)
+        judge(prop, adapter, case)
     except Failure as failure:
         restate(failure, f"{property_id}: ", _diagnosed(property_id, adapter, case, failure))
+    except PlatformDefect as exc:  # the kit's own formula fails on these inputs too: not the target's failure
+        note = {**exc.note, "cases": 1, "properties": [property_id]}
+        print(f"{property_id} on {case.summary()}: {platform_head(note)}\n{REPRODUCE_PLATFORM}\n{note['reproduce']}")
+        return
     except Uninformative as exc:
         print(f"{property_id} checks nothing on {case.summary()}: {exc}")
         return

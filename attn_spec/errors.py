@@ -6,6 +6,7 @@
     │   └── NotDifferentiable              ... because its output carries no gradient (it is trained)
     ├── Unsupported                        the target declared or lacks what a property needs
     ├── Uninformative                      the case does not make the property's relation bite
+    │   └── PlatformDefect                 ... because the platform fails the kit's own formula on it
     ├── KitUsageError (also a ValueError)  the caller asked for something impossible
     ├── TargetLoadError                    a TARGET path could not be loaded
     └── IsolationError                     grading's process boundary failed (the machine's or the kit's fault)
@@ -84,6 +85,17 @@ class Unsupported(AttnSpecError):
 class Uninformative(AttnSpecError):
     """The case checks nothing for this property (a mask that masks no key, a single batch element, a
     permutation of one token): the runner draws another case in its place."""
+
+
+class PlatformDefect(Uninformative):
+    """A property failed, and the kit's own plain formula shows the same kind of defect on exactly the inputs
+    the target got (attn_spec.checking.platform): the platform's failure, not the target's. ``note``: what the
+    report says once in its header (what, torch, device, dtype, shapes, workaround, reproduce)."""
+
+    def __init__(self, note: dict):
+        super().__init__(f"a platform defect, not the target's: {note['what']} (torch {note['torch']}, "
+                         f"{note['device']}, {note['dtype']})")
+        self.note = note
 
 
 class KitUsageError(AttnSpecError, ValueError):

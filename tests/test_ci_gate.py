@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -173,21 +174,30 @@ def sample(tmp_path):
     """A copy of the sample project, so the runs leave nothing in the repository."""
     shutil.copytree(SAMPLE, tmp_path / "ci-gate")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTN_SPEC_", "PYTEST_", "GITHUB_"))}
-    return tmp_path / "ci-gate", {**env, "ATTN_SPEC_PROFILE": "quick"}
+    return tmp_path / "ci-gate", env
 
 
-def test_the_sample_project_gates_from_pyproject_alone(sample):
-    """`attn-spec check` and `pytest`, no arguments: the two targets of its [tool.attn-spec], quick profile."""
+def test_the_sample_project_passes_at_the_profile_it_configures(sample):
+    """`attn-spec check`, no arguments, as shipped: the two targets of its [tool.attn-spec], at its own profile
+    and seed (issue 27: it must pass as CI runs it, not only at the quick profile)."""
     folder, env = sample
+    configured = tomllib.loads((folder / "pyproject.toml").read_text())["tool"]["attn-spec"]
     check = subprocess.run([str(Path(sys.executable).with_name("attn-spec")), "check"], cwd=folder, env=env,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=900)
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr
-    assert "profile quick · seed 2026" in check.stdout
+    assert f"profile {configured['profile']} · seed {configured['seed']}" in check.stdout
     assert "mypkg.attention:attention (function convention): CONFORMS" in check.stdout
     assert "mypkg.attention:MultiHeadAttention (module convention): CONFORMS" in check.stdout
     assert check.stdout.rstrip().endswith("seed 2026 (--seed 2026 reruns these cases)")
+
+
+def test_the_sample_project_gates_under_pytest_from_pyproject_alone(sample):
+    """`pytest`, no arguments: the same two targets through the plugin (at the quick profile, by the
+    environment: the plugin reads the same [tool.attn-spec] table, so its profile is the one checked above)."""
+    folder, env = sample
     tests = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"],
-                           cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+                           cwd=folder, env={**env, "ATTN_SPEC_PROFILE": "quick"}, capture_output=True, text=True,
+                           timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr
     assert "attn-spec target: mypkg.attention:attention (function convention)" in tests.stdout
     assert "attn-spec target: mypkg.attention:MultiHeadAttention (module convention)" in tests.stdout

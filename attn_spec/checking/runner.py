@@ -23,7 +23,8 @@ from attn_spec.checking.fitting import NotCheckable, fit, fit_case
 from attn_spec.targets.capabilities import Supports, parse_capabilities, parse_length, probe_capabilities, supports
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
-from attn_spec.errors import Failure, TargetRaised, Uninformative, Unsupported
+from attn_spec.errors import Failure, PlatformDefect, TargetRaised, Uninformative, Unsupported
+from attn_spec.checking.platform import judge
 from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
 from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
 from attn_spec.checking.shapes import fixed_cases
@@ -147,7 +148,10 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
             return  # nothing left to learn: let Hypothesis run out its budget for free
         result.examples += 1
         try:
-            prop.fn(target, case)
+            judge(prop, target, case)
+        except PlatformDefect as exc:  # the platform fails the kit's own formula on this case: draw another
+            result.platform.append(exc.note)
+            reject()
         except Uninformative:  # the case checks nothing for this property: draw another
             reject()
         except Unsupported as exc:  # not a failure: this input is outside what the target declares
@@ -189,9 +193,11 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     result.output = output and output.summary(verbose)
     if result.status == "pass" and not supported[0]:  # it ran on no input: not a pass
         result.status = "skip"
-        result.message = f"not checked: {unsupported[0] if unsupported else 'no input was drawn'}"
+        result.message = f"not checked: {unsupported[0] if unsupported else lost(result) or 'no input was drawn'}"
     elif unsupported and result.status == "pass":
         result.message = f"checked on {supported[0]} supported inputs; others skipped: {unsupported[0]}"
+    if result.platform and result.status == "pass":
+        result.message = "; ".join(filter(None, [result.message, lost(result)]))
     if not_drawn and result.status == "pass":
         result.message = "; ".join(filter(None, [result.message, f"not drawn: {'; '.join(not_drawn)}"]))
     return result
@@ -230,6 +236,13 @@ def _measure_flakiness(result: PropertyResult, exc: Flaky, prop: Property, targe
         result.counterexample = _counterexample(prop, failure, case, target, seed)
 
 
+def lost(result: PropertyResult) -> str:
+    """How many cases a platform defect took from the property (said once in the report's header), or ""."""
+    n = len(result.platform)
+    return (f"{n} case{'s' if n != 1 else ''} lost to a platform defect (see the header), each drawn again where it could be"
+            if n else "")
+
+
 ROOT = "matches-reference"  # what a vacuous failure is blocked by: it names what the output is
 
 
@@ -250,9 +263,11 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
                 break
             result.examples += 1
             try:
-                prop.fn(target, case)
-            except Uninformative as exc:
+                judge(prop, target, case)
+            except Uninformative as exc:  # a platform defect too (PlatformDefect): this case checks nothing
                 uninformative.append(exc)
+                if isinstance(exc, PlatformDefect):
+                    result.platform.append(exc.note)
             except Unsupported as exc:
                 unsupported.append(exc)
             except Failure as failure:

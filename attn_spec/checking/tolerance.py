@@ -147,17 +147,21 @@ def multihead_budget(x_q, x_kv, weights, n_heads, mask, ref_out) -> float:
     return FACTOR * naive_err + FLOOR_ULPS * unit
 
 
-def softcap_budget(q, k, v, mask, ref_out, cap: float) -> float:
-    """The budget under logit soft-capping (cap * tanh(s / cap) before the mask): the two ordinary orderings
-    of the formula, capped, in the inputs' dtype; the floor's score term is at most the cap."""
-    def capped(first_scale: bool):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        scores = (q * scale) @ k.transpose(-2, -1) if first_scale else q @ k.transpose(-2, -1) * scale  # [..., Tq, Tk]
-        scores = cap * torch.tanh(scores / cap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        return torch.softmax(scores, dim=-1) @ v  # [..., Tq, Dv]
+def softcap_attention(q, k, v, mask, cap: float, *, first_scale: bool, scale=None):
+    """The ordinary formula under logit soft-capping (cap * tanh(s / cap) before the mask), in the inputs'
+    dtype, with the scale applied to Q first (``first_scale``) or to the scores."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q * scale) @ k.transpose(-2, -1) if first_scale else q @ k.transpose(-2, -1) * scale  # [..., Tq, Tk]
+    scores = cap * torch.tanh(scores / cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1) @ v  # [..., Tq, Dv]
 
-    errors = [e for e in (max_error(capped(first), ref_out) for first in (True, False)) if math.isfinite(e)]
+
+def softcap_budget(q, k, v, mask, ref_out, cap: float) -> float:
+    """The budget under logit soft-capping: the two ordinary orderings of the formula, capped, in the inputs'
+    dtype; the floor's score term is at most the cap."""
+    errors = [e for e in (max_error(softcap_attention(q, k, v, mask, cap, first_scale=first), ref_out)
+                          for first in (True, False)) if math.isfinite(e)]
     capped_unit = eps(q.dtype) * max(1.0, v.detach().abs().max().item() if v.numel() else 1.0) * (math.sqrt(k.shape[-2]) + cap)
     return FACTOR * max(errors, default=0.0) + FLOOR_ULPS * min(floor_unit(q, k, v), capped_unit)

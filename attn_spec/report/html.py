@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from attn_spec.report.text import header_lines, root_head
+from attn_spec.report.text import REPRODUCE_PLATFORM, header_lines, platform_head, root_head
 
 MAX_CELLS = 16  # rows and columns drawn per heatmap
 
@@ -194,7 +194,9 @@ def to_html(report) -> str:
     """The whole report as one HTML document (inline CSS, no scripts, no external references)."""
     meta = (f"attn-spec {report.kit_version} · profile {report.profile} · seed {report.seed} · torch "
             f"{report.torch_version} · devices {', '.join(report.devices)} · dtypes {', '.join(report.dtypes)}")
-    body = "".join(_target(t) for t in report.targets)
+    body = "".join(f'<p class="meta"><b>{escape(platform_head(note))}</b></p><p>{escape(REPRODUCE_PLATFORM)}</p>'
+                   f"<pre>{escape(note['reproduce'])}</pre>" for note in report.platform)
+    body += "".join(_target(t) for t in report.targets)
     warnings = "".join(f"<p class=\"meta\">warning: {escape(w)}</p>" for w in report.warnings)
     if len(report.targets) > 1:
         warnings += f"<p><b>{escape(report.summary_line())}</b></p>"

@@ -23,6 +23,7 @@ class PropertyResult:
     found_after_calls: int | None = None  # calls into the target, since the check began, when it first failed
     case: object = field(default=None, repr=False, compare=False)  # the minimal failing case (not serialised)
     output: dict | None = None  # what the target printed, warned and logged meanwhile (attn_spec.targets.capture)
+    platform: list = field(default_factory=list, repr=False)  # a note per case lost to a platform defect (checking.platform)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
@@ -121,6 +122,21 @@ class Report:
     def conforms(self) -> bool:
         return all(t.conforms for t in self.targets) and not self.not_loaded
 
+    @property
+    def platform(self) -> list[dict]:
+        """Each platform defect that took cases from a property (attn_spec.checking.platform), once: the
+        properties it took them from merged, with how many cases it took."""
+        merged: dict = {}
+        for p in (p for t in self.targets for p in t.properties):
+            for note in p.platform:
+                key = (note["what"], note["device"], note["dtype"])
+                if key not in merged:
+                    merged[key] = {**note, "properties": [], "cases": 0}
+                merged[key]["cases"] += 1
+                if p.id not in merged[key]["properties"]:
+                    merged[key]["properties"].append(p.id)
+        return list(merged.values())
+
     def summary(self) -> dict:
         """The counts of the whole run (the summary line of a multi-target run)."""
         props = [p for t in self.targets for p in t.properties]
@@ -150,7 +166,8 @@ class Report:
                 "torch_version": self.torch_version, "devices": self.devices, "dtypes": self.dtypes,
                 "conforms": self.conforms, "warnings": list(self.warnings), "expect": self.expect,
                 "not_loaded": list(self.not_loaded), "summary": self.summary(), "shapes": list(self.shapes),
-                "rows_judged": dict(self.rows_judged), "targets": [t.to_dict() for t in self.targets]}
+                "rows_judged": dict(self.rows_judged), "platform": self.platform,
+                "targets": [t.to_dict() for t in self.targets]}
 
     def to_json(self) -> str:
         """Strict RFC 8259 JSON: NaN and the infinities, which JSON cannot write as numbers, become the

@@ -147,6 +147,27 @@ def header_lines(t: TargetReport) -> list[str]:
     return lines
 
 
+def platform_head(note: dict) -> str:
+    """One platform defect in one line: the cases it took, what the kit's own formula showed, where, the workaround."""
+    return (f"platform defect, not the target's ({_plural(note['cases'], 'case')} of {', '.join(note['properties'])} "
+            f"drawn again): {note['what']} · torch {note['torch']} · {note['device']} · {note['dtype']} · "
+            f"{'; '.join(note['shapes'])}" + (f" · workaround: {note['workaround']}" if note["workaround"] else ""))
+
+
+REPRODUCE_PLATFORM = "reproduce (torch alone, no attn-spec code):"
+
+
+def platform_lines(report: Report, markdown: bool) -> list[str]:
+    """Each platform defect, once, under the report's header, with the snippet that shows it in torch alone.
+    No target was charged with the cases it took."""
+    lines = []
+    for note in report.platform:
+        lines += ["", f"**{platform_head(note)}**" if markdown else platform_head(note),
+                  f"{REPRODUCE_PLATFORM}\n" if markdown else REPRODUCE_PLATFORM,
+                  md.fence(note["reproduce"], "python") if markdown else textwrap.indent(note["reproduce"], "    ")]
+    return lines
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
@@ -338,6 +359,7 @@ def render(report: Report, *, markdown: bool, colour: bool = False) -> str:
     for shape, rule in report.rows_judged.items():
         header += f"\n{shape}: {rule}"
     out.append(f"# Conformance report\n\n{header}" if markdown else header)
+    out += platform_lines(report, markdown)
     for t in report.targets:
         title = f"{t.target} ({t.convention} convention): {t.verdict}"
         out.append(f"\n## {title}\n" if markdown else f"\n{title}")

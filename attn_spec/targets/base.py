@@ -119,6 +119,7 @@ class Target:
         self.state = StateGuard()
         self.output: dict[str, dict] = {}  # phase before the checks (the import) -> captured output
         self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.diagnosis.record)
+        self.platform_notes: dict = {}  # platform defects the kit's own formula showed on its calls (checking.platform)
 
     def fresh_instances(self) -> None:
         """Forget built module instances (a module keeping state between calls starts afresh); no-op here."""
