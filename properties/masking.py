@@ -31,12 +31,13 @@ def push_limit(dtype: torch.dtype) -> float:
 
 
 def sink_levels(dtype: torch.dtype, multihead: bool = False) -> tuple[float, float]:
-    """The raw scores q . k that :func:`sunk_inputs` gives every pair, L and sqrt(L): L = 1e12 is far below
-    the finite fills of published code (-1e4 in older Hugging Face models, -1e9 in tutorials) and sqrt(L)
-    lies between them (which of the two a target leaks at tells its fill); in float16, L is what the dtype
-    holds (32752: below -1e4 up to d_k = 10). With headroom for a module adapter's input gain."""
-    top = min(1e12, torch.finfo(dtype).max / (64 if multihead else 2))
-    return top, math.sqrt(top)
+    """The raw scores q . k that :func:`sunk_inputs` gives every pair, L and a lower L': L = 1e8 and L' = 1e6
+    lie far below the -1e4 fill of older Hugging Face models, and above the -1e9 of tutorials, which no real
+    score reaches (a -1e9 fill is right in float32 and float64; float16 cannot hold it, which mask-semantics
+    catches otherwise). In float16, L is what the dtype holds (32752: below -1e4 up to d_k = 10) and L' its
+    square root. With headroom for a module adapter's input gain."""
+    top = min(1e8, torch.finfo(dtype).max / (64 if multihead else 2))
+    return top, (1e6 if top == 1e8 else math.sqrt(top))
 
 
 def sunk_inputs(q, k, level: float):

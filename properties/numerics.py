@@ -229,7 +229,7 @@ def numerical_stability(target, case):
 
     The second part catches a mask that *replaces* masked scores by a finite fill (-1e4 in older
     Hugging Face models) in float32: allowed scores below the fill hand the weight to the masked keys
-    (mask-semantics reads those weights in every dtype, down to -1e12).
+    (mask-semantics reads those weights in every dtype, down to -1e8).
 
     softmax(s) = exp(s - max_j s_j) / sum_j exp(s_j - max_j s_j) is exact in any range; exp(s)
     alone overflows past log(finfo.max). Why: trained models do produce such scores (large
@@ -266,7 +266,7 @@ def _check_sunk_rows(target, q, k, v, mask):
     """Rows whose every score is the same very negative number (the lower of sink_levels): each row's output is
     the mean of its allowed values."""
     runs = []
-    # The lower level only: at -1e12 a correct exp(s - logsumexp(s)) in float32 cannot hold log(n_kv) beside s
+    # The lower level only: at -1e8 a correct exp(s - logsumexp(s)) in float32 cannot hold log(n_kv) beside s
     # (mask-semantics reads the masked weights there, which stay exactly 0).
     for level in sink_levels(q.dtype, target.convention in MULTIHEAD_CONVENTIONS)[1:]:
         q2, k2 = sunk_inputs(q, k, level)
