@@ -175,10 +175,12 @@ def test_a_mismatched_statement_fails(capsys):
     assert code == 1 and "under softcap:50" in out
 
 
-@pytest.mark.parametrize("argv", [["--expect-mask", "causal+window:3"], ["--expect-mask", "sliding-window:0"],
-                                  ["--expect-score", "softcap:-1"], ["--expect-score", "alibi:x"]])
-def test_bad_statements_are_usage_errors(capsys, argv):
-    code, _, err = check(capsys, f"{MODS}:sliding_window_mask", *argv, *QUICK)
+@pytest.mark.parametrize("mod, argv", [("sliding_window_mask", ["--expect-mask", "causal+window:3"]),
+                                       ("sliding_window_mask", ["--expect-mask", "sliding-window:0"]),
+                                       ("tanh_softcap", ["--expect-score", "softcap:-1"]),
+                                       ("tanh_softcap", ["--expect-score", "alibi:x"])])
+def test_bad_statements_are_usage_errors(capsys, mod, argv):
+    code, _, err = check(capsys, f"{MODS}:{mod}", *argv, *QUICK)
     assert code == 2 and "attn-spec:" in err and "--expect-" in err
 
 

@@ -58,6 +58,7 @@ PROFILES = {
 
 
 MASK_KINDS = ("none", "random", "causal", "padding")  # padding: key-padding masks [..., 1, Tk]
+MHA_MASK_KINDS = ("none", "random", "causal")  # a multi-head case draws no key-padding mask (MhaCase)
 
 
 def get_profile(name: str) -> Profile:
@@ -152,7 +153,7 @@ def mha_cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devic
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     dtypes = checked(dtypes, DTYPES, "dtypes")
     devices = checked(devices or available_devices(), available_devices(), "devices")
-    masks = checked(masks, MASK_KINDS, "masks")
+    masks = checked(masks, MHA_MASK_KINDS, "masks")
     length = sizes(prof.small, prof.lengths[:2])
     if max_length is not None:
         length = length.map(lambda n: min(n, max_length))

@@ -96,6 +96,9 @@ def normaliser(target) -> Fit | None:
     rows = sums[:, 0]
     if (rows - 1).abs().max().item() <= 1e-6:
         return None
+    doubled = _call(target, q, k, torch.full((4, 1), 2.0, dtype=F64))  # weights @ V is linear in V
+    if doubled is None or (doubled[:, 0] - 2 * rows).abs().max().item() > 1e-6 * max(1.0, rows.abs().max().item()):
+        return None  # the output is not a weighting of V (a term beside it): its row sums say nothing of weights
     total = rows.sum().item()
     listed = ", ".join(f"{x:.3g}" for x in rows.tolist())
     numbers = f"row sums {listed} (total {total:.3g} over n_q = 3 rows; a softmax gives 1 each, total 3)"
