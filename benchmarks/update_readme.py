@@ -58,7 +58,7 @@ def _gallery():
 
 def counts() -> dict[str, int]:
     gallery = _gallery()
-    def distinct(entries) -> int:  # by name: a gallery file loaded again (as a target's path) registers its entries twice
+    def distinct(entries) -> int:  # by name: a gallery module run twice in one process registers twice (seen in a long xdist worker)
         return len({entry.name for entry in entries})
     return {"properties": len(REGISTRY), "attention-properties": attention_properties(),
             "gallery-buggy": distinct(gallery.BUGGY), "gallery-correct": distinct(gallery.CORRECT),
