@@ -10,8 +10,10 @@ A bad value names where it came from::
     profile='huge' from pyproject.toml [tool.attn-spec]: must be one of quick, default, thorough
 
 This module imports no torch: ``attn-spec --help``, ``attn-spec config`` and the pytest plugin's
-option registration stay cheap. The choices below are checked against the kit's own lists by
-``tests/test_settings.py``; a new convention, dtype or capability is added here too.
+option registration stay cheap. The conventions' names come from the torch-free registry
+(``attn_spec.vocabulary``: a convention registered there is accepted by ``--convention``); the other
+choices below are checked against the kit's own lists by ``tests/test_settings.py``, and a new dtype or
+capability is added here too.
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from attn_spec import vocabulary
 from attn_spec.errors import KitUsageError
 
 TABLE = "[tool.attn-spec]"
 PRECEDENCE = "command line > environment > pyproject.toml > defaults"
-CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod")
 PROFILES = ("quick", "default", "thorough", "scale")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
@@ -57,7 +59,7 @@ class Setting:
     name: str  # the key in [tool.attn-spec]; flags, variables and ini keys derive from it
     help: str
     kind: str = "str"  # str | int | bool | list
-    choices: tuple[str, ...] = ()
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()  # or a function giving them when a value is parsed
     default: Any = None
     metavar: str = ""
     flags: tuple[str, ...] = ()  # attn-spec check's flags (default: --NAME)
@@ -93,8 +95,8 @@ class Setting:
 _SETTINGS = (
     Setting("targets", "attention to check: path/to/file.py:name or package.module:name; several allowed",
             kind="list", metavar="TARGET", positional=True, plugin_flag="--attn-target", paths="targets", unset="none"),
-    Setting("convention", f"force the targets' calling convention: {', '.join(CONVENTIONS)} (default: detected)",
-            choices=CONVENTIONS, metavar="NAME", unset="detected"),
+    Setting("convention", f"force the targets' calling convention: {', '.join(vocabulary.BUILTIN)} (default: "
+            f"detected; attn-spec list --conventions)", choices=vocabulary.names, metavar="NAME", unset="detected"),
     Setting("profile", f"how hard to look: {', '.join(PROFILES)} (default: default; scale: a fixed ladder of "
             f"long shapes)", choices=PROFILES,
             default="default", metavar="NAME"),
@@ -152,6 +154,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def _parse(s: Setting, raw: Any) -> Any:
     """``raw`` (a string, or a TOML/Python value) as the setting's type; KitUsageError(why) otherwise."""
+    choices = s.choices() if callable(s.choices) else s.choices
     if s.kind == "bool":
         if isinstance(raw, bool):
             return raw
@@ -169,9 +172,9 @@ def _parse(s: Setting, raw: Any) -> Any:
         if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
             raise KitUsageError("must be a list of strings, or one string")
         values = [v for i in items for v in re.split(s.split, i.strip()) if v]
-        bad = [v for v in values if s.choices and v not in s.choices]
+        bad = [v for v in values if choices and v not in choices]
         if bad:
-            raise KitUsageError(f"{bad[0]!r} is not one of {', '.join(s.choices)}")
+            raise KitUsageError(f"{bad[0]!r} is not one of {', '.join(choices)}")
         for v in values:
             if s.item and s.item(v):
                 raise KitUsageError(s.item(v))
@@ -180,8 +183,8 @@ def _parse(s: Setting, raw: Any) -> Any:
         return values
     if not isinstance(raw, str) or not raw.strip():
         raise KitUsageError("must be a non-empty string")
-    if s.choices and raw.strip() not in s.choices:
-        raise KitUsageError(f"must be one of {', '.join(s.choices)}")
+    if choices and raw.strip() not in choices:
+        raise KitUsageError(f"must be one of {', '.join(choices)}")
     return raw.strip()
 
 

@@ -33,14 +33,18 @@ def config_json(capsys, *argv):
 
 
 def test_the_registry_matches_the_kit():
-    """The torch-free lists in attn_spec.settings are the kit's own (add a new one there too)."""
+    """The torch-free lists in attn_spec.settings are the kit's own (add a new one there too); the conventions'
+    names are not copied: the vocabulary's BUILTIN are exactly the conventions the kit's Target classes register."""
+    from attn_spec import vocabulary
     from attn_spec.checking.cases import DTYPES
     from attn_spec.checking.strategies import PROFILES
     from attn_spec.targets.behaviours import VALUES
     from attn_spec.targets.capabilities import CAPABILITIES
-    from attn_spec.targets.conventions import CONVENTIONS
+    from attn_spec.targets.conventions import CLASSES
 
-    assert settings.CONVENTIONS == CONVENTIONS and settings.PROFILES == tuple(PROFILES)
+    kits_own = [name for name, cls in CLASSES.items() if cls.__module__.startswith("attn_spec.")]
+    assert sorted(kits_own) == sorted(vocabulary.BUILTIN)
+    assert settings.SETTINGS["convention"].choices is vocabulary.names and settings.PROFILES == tuple(PROFILES)
     assert settings.DTYPES == tuple(DTYPES) and settings.CAPABILITIES == CAPABILITIES
     assert settings.BEHAVIOURS == tuple(VALUES)
 

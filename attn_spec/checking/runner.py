@@ -16,7 +16,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from attn_spec.targets.conventions import MOD_CONVENTIONS, Target
+from attn_spec.targets.conventions import Target, conventions
 from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
@@ -384,10 +384,13 @@ def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: i
 
 
 def applicable(props, target: Target) -> list:
-    """The properties a check of ``target`` reports: a FlexAttention mod gets only its own, an attention none of
-    the mods' (left out, not skipped: the CLI's report and the pytest plugin's items list the same ones)."""
+    """The properties a check of ``target`` reports: a FlexAttention mod or a serving kernel gets only those naming
+    its convention, an attention those whose conventions overlap the attention conventions (the registry's
+    kind="attention"); the others are left out, not skipped: the CLI's report and the pytest plugin's items list
+    the same ones."""
+    attention = set(conventions(kind="attention"))
     return [p for p in props if target.convention in p.conventions or
-            (target.is_attention and not set(p.conventions) <= set(MOD_CONVENTIONS))]
+            (target.is_attention and set(p.conventions) & attention)]
 
 
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,

@@ -1,5 +1,6 @@
 """``attn-spec list``: the catalog as a table (id, family, statement, conventions); ``--mistakes``: the
-mistake models the diagnosis names (id, family, what the wrong code does, where it is shown)."""
+mistake models the diagnosis names (id, family, what the wrong code does, where it is shown);
+``--conventions``: the registered calling conventions and the traits each declares."""
 from __future__ import annotations
 
 import textwrap
@@ -13,6 +14,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--format", choices=("text", "markdown"), default="text", help="table format")
     parser.add_argument("--mistakes", action="store_true",
                         help="list the mistake models a failure report can name, instead of the properties")
+    parser.add_argument("--conventions", action="store_true",
+                        help="list the calling conventions (--convention NAME) and their traits, instead of the properties")
 
 
 def run(args) -> int:
@@ -24,6 +27,8 @@ def run(args) -> int:
     markdown = args.format == "markdown"
     if args.mistakes:
         return _mistakes(markdown, tabulate)
+    if args.conventions:
+        return _conventions(markdown, tabulate)
     rows = [[p.id, p.family, p.statement if markdown else textwrap.fill(p.statement, 60),
              ", ".join(p.conventions) if markdown else textwrap.fill(", ".join(p.conventions), 28)]
             for p in REGISTRY.values()]
@@ -42,4 +47,26 @@ def _mistakes(markdown: bool, tabulate) -> int:
     print(tabulate(rows, headers=["id", "family", "what the wrong code does", "shown at"],
                    tablefmt="github" if markdown else "simple_grid"))
     print(f"\n{len(rows)} mistake models · attn-spec explain ID for one of them")
+    return EXIT_OK
+
+
+def _conventions(markdown: bool, tabulate) -> int:
+    from attn_spec.targets.conventions import conventions
+    from attn_spec.vocabulary import traits
+
+    def wrap(text, width):
+        return text if markdown else textwrap.fill(text, width)
+
+    rows = []
+    for name in conventions():
+        t = traits(name)
+        declared = ", ".join(filter(None, ["trained" if t.trained else "backward optional", "multi-head" if t.multihead else "",
+                                           "masks " + "+".join(t.masks) + (" (declarable)" if t.declarable_masks else ""),
+                                           *(["options " + "+".join(t.options)] if t.options else []),
+                                           *([f"dtypes {'+'.join(t.dtypes)}"] if t.dtypes else []),
+                                           f"layout {t.layout}"]))
+        rows.append([name, t.kind, wrap(t.signature, 48), wrap(declared, 36)])
+    print(tabulate(rows, headers=["convention", "kind", "how it is called", "traits"],
+                   tablefmt="github" if markdown else "simple_grid"))
+    print(f"\n{len(rows)} conventions · detected from the target's type and signature, or forced with --convention NAME")
     return EXIT_OK

@@ -12,7 +12,7 @@ from attn_spec.diagnosis.model import MISTAKES
 from attn_spec.diagnosis.passing import Consistency, keep_consistent, passing_calls
 from attn_spec.diagnosis import fits
 from attn_spec.diagnosis.roots import Diagnosis, group, settle
-from attn_spec.targets.base import FUNCTION_CONVENTIONS
+from attn_spec.targets.base import conventions
 
 
 def case_of(result):
@@ -58,8 +58,8 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     after = {pid: registry[pid].after for pid in registry}
     roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
                   mistakes=list(MISTAKES.values()))
-    roots = settle(roots, order, measure=lambda: fits.measure(target) if target.convention in FUNCTION_CONVENTIONS
-                   else None)
+    on_qkv = target.convention in conventions(kind="attention", multihead=False)  # attention on Q, K, V directly
+    roots = settle(roots, order, measure=lambda: fits.measure(target) if on_qkv else None)
     if dropped and not any(d.named for d in roots):  # one model for every failure, though it contradicts a pass?
         for pid, ev in evidences.items():
             ev.fits = every_fit[pid]

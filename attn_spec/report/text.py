@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from tabulate import tabulate
 
+from attn_spec import vocabulary
 from attn_spec.report import markdown as md
 
 if TYPE_CHECKING:
@@ -135,8 +136,9 @@ def header_lines(t: TargetReport) -> list[str]:
         lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
-    if t.masks and t.convention not in ("mask-mod", "score-mod"):  # a mod takes no mask
-        declarable = "additive" not in t.masks and t.convention in ("function", "module", "adapter")
+    traits = vocabulary.traits(t.convention)
+    if t.masks and (traits is None or traits.kind == "attention"):  # a mod or a serving kernel takes no mask
+        declarable = "additive" not in t.masks and traits is not None and traits.declarable_masks
         lines.append("masks: " + ", ".join(t.masks) +
                      (" (additive float masks: declare them with --masks bool,additive)" if declarable else ""))
     if t.inference_only:

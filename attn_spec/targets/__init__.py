@@ -6,4 +6,4 @@ library conventions, each in a module of its own; ``layouts``: [B, H, S, D] or [
 inputs (``capabilities``, ``behaviours``). Every call into the user's code runs under ``guard`` (the global
 state it changes is restored and noted); its output is captured per phase (``capture``); a detached
 output is diagnosed by ``detached``."""
-from attn_spec.targets import mask_mods, flex, hf  # noqa: F401,E402 - registers the library conventions, in detection order
+from attn_spec.targets import functions, modules, mask_mods, flex, hf  # noqa: F401,E402 - registers the kit's conventions

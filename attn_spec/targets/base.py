@@ -1,8 +1,9 @@
 """The target interface every convention implements (:class:`Target`: ``attend``, ``vjp``,
 ``multihead``), the calls into the user's code (``_call``: its exceptions are its own, the
-global state it changes restored) and the vocabulary of conventions and mask forms.
-The conventions themselves: functions.py, modules.py, hf.py, flex.py, mask_mods.py; which one a
-target follows: conventions.py."""
+global state it changes restored) and the convention registry: a Target class with its own ``traits``
+(attn_spec.vocabulary.Traits) registers itself when it is defined, and every list of conventions is
+derived from the registry. The conventions themselves: functions.py, modules.py, hf.py, flex.py,
+mask_mods.py; which one a target follows: conventions.py."""
 from __future__ import annotations
 
 import inspect
@@ -10,6 +11,7 @@ import math
 
 import torch
 
+from attn_spec import vocabulary
 from attn_spec.checking.assertions import fail, message
 from attn_spec.errors import KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.targets.detached import how_detached
@@ -17,11 +19,16 @@ from attn_spec.targets.guard import StateGuard, passes_through
 from attn_spec.targets.loading import raised_on_purpose, user_traceback
 
 
-CONVENTIONS = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod")
-ATTENTION_CONVENTIONS = CONVENTIONS[:7]  # targets that compute attention: the catalog's default
-MOD_CONVENTIONS = ("mask-mod", "score-mod")  # FlexAttention mods, checked against a named statement
-FUNCTION_CONVENTIONS = ("function", "sdpa", "hf", "flex")  # attention on Q, K, V directly
-MULTIHEAD_CONVENTIONS = ("module", "torch-mha", "adapter")  # modules with projections
+CLASSES: dict[str, type] = {}  # convention name -> its Target class, in registration order
+# The lists of conventions, derived from the registry when first asked for (module __getattr__, below):
+DERIVED = {
+    "CONVENTIONS": {},  # every convention
+    "ATTENTION_CONVENTIONS": {"kind": "attention"},  # targets that compute attention: the catalog's default
+    "MOD_CONVENTIONS": {"kind": "mod"},  # FlexAttention mods, checked against a named statement
+    "SERVING_CONVENTIONS": {"kind": "serving"},  # serving kernels (decode, ...), checked by their own properties
+    "FUNCTION_CONVENTIONS": {"kind": "attention", "multihead": False},  # attention on Q, K, V directly
+    "MULTIHEAD_CONVENTIONS": {"kind": "attention", "multihead": True},  # modules with projections
+}
 PROJECTIONS = ("W_Q", "W_K", "W_V", "W_O")
 MASK_FORMS = ("bool", "additive")  # what a target may be called with as its mask
 
@@ -84,32 +91,72 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
 
 
 OPTIONS = {"window": "sliding window", "softcap": "softcap"}  # attend()'s options, in words
-LIBRARY_TARGETS: dict[str, type] = {}  # convention -> Target class of hf.py, flex.py, mask_mods.py, in detection order
 
 
-def library_convention(cls):
-    """Register a Target class kept in a module of its own (imported by the attn_spec.targets package); its
-    ``detects(obj, names)`` tells detect_convention whether a callable follows it."""
-    LIBRARY_TARGETS[cls.convention] = cls
-    return cls
+def __getattr__(name: str):
+    """CONVENTIONS and its subsets (DERIVED), derived from the registry now (a convention registered later
+    is in them); the attn_spec.targets package imports every convention of the kit's own first."""
+    if name in DERIVED:
+        return conventions(**DERIVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def conventions(**where) -> tuple[str, ...]:
+    """The registered conventions' names, those whose traits match ``where`` (attn_spec.vocabulary.names)."""
+    return tuple(name for name in vocabulary.names(**where) if name in CLASSES)
+
+
+def convention_class(name: str) -> type:
+    """The Target class of convention ``name``; a usage error naming the registered ones otherwise."""
+    if name not in CLASSES:
+        raise KitUsageError(f"convention={name!r}, but it must be one of {', '.join(conventions())}")
+    return CLASSES[name]
 
 
 class Target:
     """Base adapter. ``name`` names the target in reports; ``calls`` counts calls into it;
     ``masks`` the mask forms it may be called with (MASK_FORMS).
 
+    A subclass that sets ``traits`` (attn_spec.vocabulary.Traits) in its own body is a convention: it is
+    registered when defined, and ``convention``, ``default_masks``, ``default_dtypes`` and
+    ``is_attention`` come from its traits. ``build(obj, name, **keywords)`` makes a target of it from
+    what make_target was given; ``detects(obj, names)`` tells detect_convention whether ``obj`` follows it
+    (tried in the order of ``traits.detect_rank``).
+
     ``inference_only``: the user declared an inference kernel, so a missing backward is a skip
     (``--inference-only``). ``state`` restores the global state each call changes and keeps what
     it was (attn_spec.targets.guard).
     """
 
+    traits = None
     convention = "?"
     default_masks = ("bool",)
-    is_attention = True  # False for FlexAttention's mods: only their own properties apply
+    is_attention = True  # False for FlexAttention's mods and serving kernels: only their own properties apply
     default_dtypes = None  # the dtypes checked unless the user names some (None: all)
     gqa_contract = ""  # where grouped K/V heads are part of the convention, what tells the target: then raising fails
     gqa_grouping = ""  # where the convention fixes which KV head each query head reads (hf: "blocked"), else probed
     required: frozenset = frozenset()  # the capabilities the user requires (--require), set before the probes
+    returns_weights = False  # its own API returns the weights with the output (nn.MultiheadAttention)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        traits = cls.__dict__.get("traits")
+        if traits is None:
+            return
+        vocabulary.register(traits)
+        CLASSES[traits.name] = cls
+        cls.convention, cls.default_masks, cls.default_dtypes = traits.name, traits.masks, traits.dtypes
+        cls.is_attention = traits.kind == "attention"
+
+    @classmethod
+    def build(cls, obj, name: str, *, masks=None, inference_only: bool = False, state=None, **keywords):
+        """A target of this convention for ``obj`` (``keywords``: those of ``traits.keywords`` that were given)."""
+        return cls(obj, name, masks=masks, inference_only=inference_only, **keywords)
+
+    @staticmethod
+    def detects(obj, names) -> bool:
+        """Whether ``obj`` (parameter names ``names``, None if unknown) follows this convention."""
+        return False
 
     def __init__(self, obj, name: str, masks=None, *, inference_only: bool = False):
         self.obj, self.name, self.calls, self.inference_only = obj, name, 0, inference_only
@@ -150,6 +197,8 @@ class Target:
 
     def lacks_option(self, key: str) -> str | None:
         """Why this target cannot take attend()'s option ``key`` ("window", "softcap"); None if it can."""
+        if self.traits is not None and key in self.traits.options:
+            return None
         return f"the {self.convention} convention takes no {OPTIONS[key]} argument"
 
     def notes(self) -> list[str]:
@@ -223,7 +272,7 @@ class Target:
         if self.inference_only:
             raise Unsupported(f"declared an inference kernel (inference_only): the output is not differentiable "
                               f"in Q, K, V; {how}", total=True)
-        if self.convention in ("sdpa", "torch-mha", "flex"):
+        if self.traits is not None and not self.traits.trained:
             raise Unsupported(f"no autograd: the output is not differentiable in Q, K, V; {how}", total=True)
         raise NotDifferentiable(message(f"not differentiable in Q, K, V; {how}", what="no autograd: the output",
                                         call=self._describe_call(mask)),

@@ -27,7 +27,6 @@ import torch
 from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
 from attn_spec.targets.capabilities import supports
-from attn_spec.targets.base import FUNCTION_CONVENTIONS
 
 VALUES = {  # the values a user may require; a probe may also report "other" or "raises"
     "fully-masked": ("nan", "zeros", "uniform"),
@@ -115,7 +114,7 @@ def causal_alignment(target, dtype, device) -> str:
 def gqa_grouping(target, dtype, device) -> str:
     """Q with 4 heads over K, V with 2, one key each, V of KV head j = j + 1: each query head's output
     names the KV head it reads: [1, 1, 2, 2] is blocked (h // g), [1, 2, 1, 2] is tile (h % Hkv)."""
-    if target.convention not in FUNCTION_CONVENTIONS:
+    if target.traits is None or target.traits.multihead:
         return "n/a"  # multi-head modules take no head dims
     q, k = torch.ones(4, 1, 1, dtype=dtype, device=device), torch.ones(2, 1, 1, dtype=dtype, device=device)
     v = torch.tensor([1.0, 2.0], dtype=dtype, device=device).reshape(2, 1, 1)  # [Hkv=2, Tk=1, Dv=1]
@@ -149,7 +148,7 @@ def probe_behaviours(target, dtype: str = "float32", device: str = "cpu") -> dic
     """The behaviours of ``target`` (an adapter), probed on tiny inputs of one dtype and device; kept on it."""
     torch_dtype = DTYPES[dtype]
     found = {key: _safely(probe, target, torch_dtype, device) for key, probe in PROBES.items()}
-    found["weights-returned"] = "yes" if target.convention == "torch-mha" else "no"  # the others return only out
+    found["weights-returned"] = "yes" if target.returns_weights else "no"  # the others return only out
     found = {key: found[key] for key in VALUES}  # the documented order
     target.behaviours = found
     return found

@@ -49,7 +49,7 @@ import torch
 from attn_spec.checking.cases import DTYPES
 from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.reference import causal_mask
-from attn_spec.targets.base import FUNCTION_CONVENTIONS
+from attn_spec.targets.base import conventions
 
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
                 "length", "float64", "float16", "bfloat16")
@@ -197,7 +197,7 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
     for name, call in _probes(target, base, device, masked).items():
         if name in DTYPES and name not in dtypes:
             found[name] = ("unchecked", "not among the dtypes checked (--dtypes)")
-        elif name == "gqa" and target.convention not in FUNCTION_CONVENTIONS:
+        elif name == "gqa" and target.convention not in conventions(kind="attention", multihead=False):
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
             found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")

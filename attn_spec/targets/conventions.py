@@ -35,63 +35,52 @@ key may be attended, -inf where not, any finite bias) are part of the ``sdpa``, 
 identity projections and Q scaled by 2^m where D = 4^m * Dk, so that the module's own
 1/sqrt(D) becomes exactly 1/sqrt(Dk) with no rounding.
 
-This module decides which convention a target follows (``detect_convention``) and wraps it
-(``make_target``, ``load``); the interface is in base.py.
+Each convention is a Target class that declares its traits (attn_spec.vocabulary.Traits: kind, trained,
+multi-head, masks, dtypes, options, layout, the make_target keywords it takes) and registers itself when
+defined; ``CONVENTIONS`` and every subset are derived from the registry (``attn-spec list --conventions``).
+This module decides which convention a target follows (``detect_convention``: each class's ``detects``, in
+``detect_rank`` order) and wraps it (``make_target``: the class's ``build``; ``load``); the interface is in
+base.py.
 """
 from __future__ import annotations
 
-import inspect
-
-import torch
-import torch.nn.functional as F
-
-from attn_spec.errors import KitUsageError, TargetLoadError, TargetRaised, Unsupported
+from attn_spec.errors import KitUsageError
+from attn_spec.targets import base
 from attn_spec.targets.base import (  # noqa: F401 - the conventions' vocabulary, imported from here too
-    ATTENTION_CONVENTIONS, CONVENTIONS, FUNCTION_CONVENTIONS, LIBRARY_TARGETS, MASK_FORMS, MOD_CONVENTIONS,
-    MULTIHEAD_CONVENTIONS, PROJECTIONS, Target, _call, check_output, library_convention, parameter_names,
+    CLASSES, MASK_FORMS, PROJECTIONS, Target, _call, check_output, convention_class, conventions, parameter_names,
     parse_masks, positional_capacity)
 from attn_spec.targets.call_shapes import check_call_shape
 from attn_spec.targets.capture import capture
-from attn_spec.targets.functions import FunctionTarget, SdpaTarget
+from attn_spec.targets.functions import FunctionTarget, SdpaTarget  # noqa: F401 - registers them; imported from here
 from attn_spec.targets.guard import StateGuard
 from attn_spec.targets.layouts import attend_shape, broadcast_shapes  # noqa: F401 - imported from here too
 from attn_spec.targets.loading import load_target, spec_of
-from attn_spec.targets.modules import ModuleTarget
-from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
+from attn_spec.targets.modules import AdapterTarget, ModuleTarget, TorchMhaTarget  # noqa: F401 - registers them
+from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter  # noqa: F401
+from attn_spec.vocabulary import traits as traits_of
+
+KEYWORDS = {"layout": "--layout", "expect_mask": "--expect-mask", "expect_score": "--expect-score",
+            "hf_module_attr": "--hf-module-attr", "hf_config": "--hf-config"}
 
 
-def _is_mha(obj) -> bool:
-    mha = torch.nn.MultiheadAttention
-    return isinstance(obj, mha) or (inspect.isclass(obj) and issubclass(obj, mha))
+def __getattr__(name: str):
+    """CONVENTIONS, ATTENTION_CONVENTIONS, ... : derived from the registry when asked (attn_spec.targets.base)."""
+    if name in base.DERIVED:
+        return conventions(**base.DERIVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def detect_convention(obj) -> str:
-    """The convention of ``obj`` from its type and signature; a usage error when it is ambiguous."""
-    if isinstance(obj, ModuleAdapter) or (inspect.isclass(obj) and issubclass(obj, ModuleAdapter)):
-        return "adapter"
-    if _is_mha(obj):
-        return "torch-mha"
-    if inspect.isclass(obj):
-        return "module"
-    if obj is F.scaled_dot_product_attention:
-        return "sdpa"
+    """The convention of ``obj``: the first registered class, in ``detect_rank`` order, whose ``detects``
+    recognises its type and signature; a usage error when none does."""
     names = parameter_names(obj)
-    for convention, cls in LIBRARY_TARGETS.items():
+    for cls in sorted(CLASSES.values(), key=lambda c: c.traits.detect_rank):
         if cls.detects(obj, names):
-            return convention
-    if names is not None and set(names) & {"attn_mask", "is_causal", "causal", "softmax_scale", "dropout_p"}:
-        return "sdpa"
-    if positional_capacity(obj) >= 3 and (names is None or len(names) <= 4 or "mask" in names):
-        return "function"
+            return cls.convention
+    listed = "; ".join(f"{c.convention} = {c.traits.signature}" for c in CLASSES.values())
     raise KitUsageError(
         f"cannot tell which convention {getattr(obj, '__name__', obj)!r} follows (parameters: {names}). "
-        f"Pick one with --convention (convention= in Python): function = attention(Q, K, V, mask=None); "
-        f"sdpa = fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None); "
-        f"module = Cls(d_model, n_heads) with W_Q, W_K, W_V, W_O; torch-mha = nn.MultiheadAttention or "
-        f"a factory (d_model, n_heads) -> nn.MultiheadAttention; adapter = a ModuleAdapter subclass; "
-        f"hf = fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs); "
-        f"flex = flex_attention(query, key, value, score_mod=None, block_mask=None, ...); "
-        f"mask-mod = mask_mod(b, h, q_idx, kv_idx); score-mod = score_mod(score, b, h, q_idx, kv_idx).")
+        f"Pick one with --convention (convention= in Python): {listed}.")
 
 
 def make_target(obj, name: str | None = None, convention: str | None = None, masks=None, *,
@@ -107,47 +96,26 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
     name = name or spec_of(obj) or getattr(obj, "__qualname__", None) or type(obj).__name__
     convention = convention or ("mask-mod" if expect_mask else "score-mod" if expect_score else None) \
         or detect_convention(obj)
-    if convention not in CONVENTIONS:
-        raise KitUsageError(f"convention={convention!r}, but it must be one of {', '.join(CONVENTIONS)}")
-    for given, flag, applies in ((layout, "--layout", ("function", "sdpa")), (expect_mask, "--expect-mask", ("mask-mod",)),
-                                 (expect_score, "--expect-score", ("score-mod",)),
-                                 (hf_module_attr, "--hf-module-attr", ("hf",)), (hf_config, "--hf-config", ("hf",))):
-        if given is not None and convention not in applies:
-            raise KitUsageError(f"{flag} applies to the {' and '.join(applies)} convention"
+    cls = convention_class(convention)
+    given = {key: value for key, value in (("layout", layout), ("expect_mask", expect_mask),
+                                           ("expect_score", expect_score), ("hf_module_attr", hf_module_attr),
+                                           ("hf_config", hf_config)) if value is not None}
+    for key in given:
+        if key not in cls.traits.keywords:
+            applies = [c for c in conventions() if key in traits_of(c).keywords]
+            raise KitUsageError(f"{KEYWORDS[key]} applies to the {' and '.join(applies)} convention"
                                 f"{'s' if len(applies) > 1 else ''}, but {name} follows the {convention} convention")
     check_call_shape(obj, convention, name)  # before anything runs: a signature that cannot take the call
-    kwargs = {"inference_only": inference_only}
-    if convention in ("function", "sdpa"):
-        target = (FunctionTarget if convention == "function" else SdpaTarget)(obj, name, masks, layout, **kwargs)
-    elif convention in LIBRARY_TARGETS:
-        options = {key: value for key, value in (("expect_mask", expect_mask), ("expect_score", expect_score),
-                                                 ("hf_module_attr", hf_module_attr), ("hf_config", hf_config)) if value}
-        target = LIBRARY_TARGETS[convention](obj, name, masks=masks, **options, **kwargs)
-    elif convention == "module":
-        target = ModuleTarget(SeedAdapter(obj), name, masks=masks, **kwargs)
-    elif convention == "torch-mha":
-        adapter = TorchMhaAdapter.from_instance(obj, name) if isinstance(obj, torch.nn.Module) \
-            else TorchMhaAdapter(obj, name=name)
-        target = ModuleTarget(adapter, name, "torch-mha", masks, **kwargs)
-    else:
-        target = ModuleTarget(_instance(obj, name, state or StateGuard()), name, "adapter", masks, **kwargs)
+    if "layout" in cls.traits.keywords:
+        given.setdefault("layout", None)
+    target = cls.build(obj, name, masks=masks, inference_only=inference_only, state=state, **given)
     target.state = state or target.state
-    if convention in ("function", "sdpa") and layout is None:
+    if "layout" in cls.traits.keywords and layout is None:
         with capture() as output:
             target.detect_layout()  # two tiny calls, under the target's guard
         if output.summary():
             target.output["layout probe"] = output.summary(verbose)
     return target
-
-
-def _instance(adapter, name: str, state: StateGuard):
-    if not inspect.isclass(adapter):
-        return adapter
-    try:
-        return _call(adapter, (), f"{name}()", state)
-    except (TargetRaised, Unsupported) as exc:
-        trace = f"\n\n{exc.user_traceback}" if isinstance(exc, TargetRaised) else ""
-        raise TargetLoadError(f"Cannot use target {name!r}: {exc}{trace}") from None
 
 
 def load(spec: str, convention: str | None = None, *, name: str | None = None, root: str | None = None,

@@ -23,8 +23,9 @@ import torch
 
 from attn_spec import reference
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.targets.base import MASK_FORMS, Target, _call, check_output, library_convention
+from attn_spec.targets.base import MASK_FORMS, Target, _call, check_output
 from attn_spec.targets.layouts import Heads
+from attn_spec.vocabulary import Traits
 
 
 def block_mask(allowed, device):
@@ -35,19 +36,17 @@ def block_mask(allowed, device):
     return create_block_mask(lambda bi, hi, qi, ki: allowed[bi, hi, qi, ki], b, h, n_q, n_kv, device=device)
 
 
-@library_convention
 class FlexTarget(Target):
-    convention = "flex"
+    traits = Traits("flex", "flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, ...)",
+                    trained=False,  # no backward on the CPU
+                    masks=MASK_FORMS,  # a float mask's -inf entries become the block_mask, its finite values a score_mod
+                    options=("scale", "is-causal", "window", "softcap"), detect_rank=42)
     gqa_contract = "enable_gqa=True"
-    default_masks = MASK_FORMS  # a float mask's -inf entries become the block_mask, its finite values a score_mod
 
     @staticmethod
     def detects(obj, names) -> bool:
         module = sys.modules.get("torch.nn.attention.flex_attention")
         return (module is not None and obj is module.flex_attention) or {"score_mod", "block_mask"} <= set(names or ())
-
-    def lacks_option(self, key):
-        return None  # a window is a mask_mod, soft-capping a score_mod
 
     def notes(self):
         return ["how masks reach it: a block_mask from create_block_mask (a float mask's finite values through a score_mod); "

@@ -3,6 +3,7 @@ signature (sdpa), in the [B, H, S, D] or [B, S, H, D] layout (layouts.py)."""
 from __future__ import annotations
 
 from attn_spec.errors import KitUsageError, Unsupported
+from attn_spec.vocabulary import Traits
 from attn_spec.targets import layouts
 from attn_spec.targets.base import MASK_FORMS, Target, _call, check_output, parameter_names, positional_capacity
 from attn_spec.targets.layouts import _grouped, attend_shape
@@ -52,7 +53,12 @@ class LayoutTarget(Target):
 class FunctionTarget(LayoutTarget):
     """``attention(Q, K, V, mask=None) -> out``."""
 
-    convention = "function"
+    traits = Traits("function", "attention(Q, K, V, mask=None)", declarable_masks=True,
+                    layout="bhsd or bshd (probed)", keywords=("layout",), detect_rank=90)
+
+    @staticmethod
+    def detects(obj, names) -> bool:  # the catch-all: three positional arguments, a few names or a mask
+        return positional_capacity(obj) >= 3 and (names is None or len(names) <= 4 or "mask" in names)
 
     def __init__(self, obj, name, masks=None, layout=None, **kwargs):
         super().__init__(obj, name, masks, layout, **kwargs)
@@ -79,8 +85,17 @@ class SdpaTarget(LayoutTarget):
     """``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)``, or flash-attn's
     ``fn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0)``."""
 
-    convention = "sdpa"
-    default_masks = MASK_FORMS  # attn_mask is bool or additive float in SDPA's contract
+    traits = Traits("sdpa", "fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)",
+                    trained=False, masks=MASK_FORMS,  # attn_mask is bool or additive float in SDPA's contract
+                    options=("scale", "is-causal", "window", "softcap"), layout="bhsd or bshd (probed)",
+                    keywords=("layout",), detect_rank=80)
+
+    @staticmethod
+    def detects(obj, names) -> bool:  # SDPA itself, or SDPA's or flash-attn's argument names
+        import torch.nn.functional as F
+
+        return obj is F.scaled_dot_product_attention or (
+            names is not None and bool(set(names) & {"attn_mask", "is_causal", "causal", "softmax_scale", "dropout_p"}))
 
     def __init__(self, obj, name, masks=None, layout=None, **kwargs):
         self.accepts = set(parameter_names(obj) or ())

@@ -41,8 +41,9 @@ import torch
 from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.targets.base import MASK_FORMS, Target, _call, library_convention, parameter_names
+from attn_spec.targets.base import MASK_FORMS, Target, _call, parameter_names
 from attn_spec.targets.hf_module import HfModule, MissingAttribute, config_groups, parse_module_attrs, read_config
+from attn_spec.vocabulary import Traits
 from attn_spec.targets.layouts import Heads
 
 HF_PARAMETERS = ["module", "query", "key", "value"]
@@ -85,14 +86,14 @@ def mask_form(fn) -> tuple[str, str]:
                     f"attention_mask=None, causality only through module.is_causal")
 
 
-@library_convention
 class HfTarget(Target):
     """``hf_module_attr``: ``["NAME=VALUE", "config.NAME=VALUE"]``, offered on the stand-in module (hf_module.py);
     ``hf_config``: a model's config.json, whose fields join ``module.config`` and whose ``num_key_value_heads <
     num_attention_heads`` makes grouped-query attention a requirement (as ``--require gqa`` does)."""
 
-    convention = "hf"
-    default_dtypes = ("float32", "float16", "bfloat16")
+    traits = Traits("hf", "fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)",
+                    dtypes=("float32", "float16", "bfloat16"), options=("scale", "is-causal", "window", "softcap"),
+                    layout="bhsd in, bshd out", keywords=("hf_module_attr", "hf_config"), detect_rank=43)
     gqa_grouping = "blocked"  # HF's repeat_kv: query head h reads KV head h // g, and checkpoints are trained so
 
     @staticmethod

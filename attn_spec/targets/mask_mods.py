@@ -27,7 +27,8 @@ import torch
 
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import KitUsageError, Unsupported
-from attn_spec.targets.base import Target, _call, library_convention
+from attn_spec.targets.base import Target, _call
+from attn_spec.vocabulary import Traits
 
 MASK_FORMS = "causal|sliding-window:W|prefix-lm:P|document:IDS"
 SCORE_FORMS = "alibi|softcap:C|relative-bias"
@@ -170,9 +171,9 @@ class ModTarget(Target):
             return _call(fn, (), call, self.state)
 
 
-@library_convention
 class MaskModTarget(ModTarget):
-    convention = "mask-mod"
+    traits = Traits("mask-mod", "mask_mod(b, h, q_idx, kv_idx) -> bool, against --expect-mask STATEMENT",
+                    kind="mod", trained=False, layout="indices", keywords=("expect_mask",), detect_rank=40)
 
     @staticmethod
     def detects(obj, names) -> bool:  # (b, h, q_idx, kv_idx)
@@ -208,9 +209,9 @@ class MaskModTarget(ModTarget):
                 "matrix": self.dense(1, 1, n, n)[0, 0].tolist()}
 
 
-@library_convention
 class ScoreModTarget(ModTarget):
-    convention = "score-mod"
+    traits = Traits("score-mod", "score_mod(score, b, h, q_idx, kv_idx) -> score, against --expect-score STATEMENT",
+                    kind="mod", trained=False, layout="indices", keywords=("expect_score",), detect_rank=41)
 
     @staticmethod
     def detects(obj, names) -> bool:  # (score, b, h, q_idx, kv_idx)

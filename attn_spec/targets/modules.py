@@ -2,25 +2,38 @@
 ``attend`` embeds plain attention in them with one head and identity projections."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from attn_spec.checking.assertions import fail
-from attn_spec.errors import TargetRaised, Unsupported
+from attn_spec.errors import TargetLoadError, TargetRaised, Unsupported
 from attn_spec.targets.base import MASK_FORMS, PROJECTIONS, Target, _call, check_output
-from attn_spec.targets.guard import passes_through
+from attn_spec.targets.guard import StateGuard, passes_through
 from attn_spec.targets.layouts import broadcast_shapes
 from attn_spec.targets.loading import user_traceback
-from attn_spec.targets.module_adapters import ModuleAdapter
+from attn_spec.targets.module_adapters import ModuleAdapter, SeedAdapter, TorchMhaAdapter
+from attn_spec.vocabulary import Traits
 
 
 class ModuleTarget(Target):
-    """A multi-head module, driven through a :class:`ModuleAdapter` (build, load weights, call)."""
+    """A multi-head module, driven through a :class:`ModuleAdapter` (build, load weights, call); the ``module``
+    convention itself is the seed's: any class ``Cls(d_model, n_heads)``, through :class:`SeedAdapter`."""
 
-    def __init__(self, adapter: ModuleAdapter, name: str, convention: str = "module", masks=None, **kwargs):
-        if convention == "torch-mha":  # nn.MultiheadAttention takes additive float masks too
-            self.default_masks = MASK_FORMS
+    traits = Traits("module", "Cls(d_model, n_heads) with nn.Linear W_Q, W_K, W_V, W_O; forward(x_q, x_kv, mask=None)",
+                    multihead=True, declarable_masks=True, layout="tokens [T, d_model]", detect_rank=30)
+
+    @staticmethod
+    def detects(obj, names) -> bool:
+        return inspect.isclass(obj)
+
+    @classmethod
+    def build(cls, obj, name, **kwargs):
+        return cls(SeedAdapter(obj), name, **_module_keywords(kwargs))
+
+    def __init__(self, adapter: ModuleAdapter, name: str, masks=None, **kwargs):
         super().__init__(adapter, name, masks, **kwargs)
-        self.adapter, self.convention = adapter, convention
+        self.adapter = adapter
         self._modules = {}  # (d_model, n_heads, dtype, device) -> instance; weights are reloaded per call
 
     def fresh_instances(self) -> None:
@@ -128,3 +141,54 @@ class ModuleTarget(Target):
         return torch.stack(rows).reshape(*batch, n_q, d_v)  # [..., Tq, Dv]
 
 
+
+
+def _module_keywords(kwargs) -> dict:
+    """What a module target's constructor takes of build()'s keywords (the guard is set by make_target)."""
+    return {key: value for key, value in kwargs.items() if key in ("masks", "inference_only")}
+
+
+class TorchMhaTarget(ModuleTarget):
+    """``torch.nn.MultiheadAttention``: the class, an instance, or a factory ``(d_model, n_heads) -> MHA``."""
+
+    traits = Traits("torch-mha", "nn.MultiheadAttention, or a factory (d_model, n_heads) -> nn.MultiheadAttention",
+                    trained=False, multihead=True, masks=MASK_FORMS,  # it takes additive float masks too
+                    layout="tokens [T, d_model]", detect_rank=20)
+    returns_weights = True  # forward returns (out, weights)
+
+    @staticmethod
+    def detects(obj, names) -> bool:
+        mha = torch.nn.MultiheadAttention
+        return isinstance(obj, mha) or (inspect.isclass(obj) and issubclass(obj, mha))
+
+    @classmethod
+    def build(cls, obj, name, **kwargs):
+        adapter = TorchMhaAdapter.from_instance(obj, name) if isinstance(obj, torch.nn.Module) \
+            else TorchMhaAdapter(obj, name=name)
+        return cls(adapter, name, **_module_keywords(kwargs))
+
+
+class AdapterTarget(ModuleTarget):
+    """Any other module, through the user's :class:`ModuleAdapter` (a subclass or an instance)."""
+
+    traits = Traits("adapter", "a ModuleAdapter subclass (or instance) that builds, loads and calls the module",
+                    multihead=True, declarable_masks=True, layout="tokens [T, d_model]", detect_rank=10)
+
+    @staticmethod
+    def detects(obj, names) -> bool:
+        return isinstance(obj, ModuleAdapter) or (inspect.isclass(obj) and issubclass(obj, ModuleAdapter))
+
+    @classmethod
+    def build(cls, obj, name, *, state=None, **kwargs):
+        return cls(_instance(obj, name, state or StateGuard()), name, **_module_keywords(kwargs))
+
+
+def _instance(adapter, name: str, state: StateGuard):
+    """The user's adapter instance (a class is instantiated: an exception there is a TargetLoadError)."""
+    if not inspect.isclass(adapter):
+        return adapter
+    try:
+        return _call(adapter, (), f"{name}()", state)
+    except (TargetRaised, Unsupported) as exc:
+        trace = f"\n\n{exc.user_traceback}" if isinstance(exc, TargetRaised) else ""
+        raise TargetLoadError(f"Cannot use target {name!r}: {exc}{trace}") from None
