@@ -282,12 +282,20 @@ def _ex_score_mod() -> str:
                       _m("softcap:2 of scores [−10, −1, 0, 1, 10]", 2 * torch.tanh(_t([-10.0, -1, 0, 1, 10]) / 2))])
 
 
+def _ex_decode() -> str:
+    return "\n".join([_m("decode: 2 new tokens over 4 keys, causal bottom-right (kv_idx <= 2 + q_idx)",
+                          reference.causal_mask(2, 4, alignment="bottom-right").double()),
+                       _m("the same aligned top-left (kv_idx <= q_idx): the new tokens lose the keys before them",
+                          reference.causal_mask(2, 4).double()),
+                       "bottom-right rows are the last 2 rows of the 4 x 4 causal mask: decoding = the full forward pass"])
+
+
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
             "permutation": _ex_permutation, "scale": _ex_scale, "shapes": _ex_shapes, "shift": _ex_shift,
             "linearity": _ex_linearity, "stability": _ex_stability, "batch": _ex_batch, "dtype": _ex_dtype,
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
             "multihead": _ex_multihead, "window": _ex_window, "softcap": _ex_softcap, "mask-mod": _ex_mask_mod,
-            "score-mod": _ex_score_mod}
+            "score-mod": _ex_score_mod, "decode": _ex_decode}
 
 
 # Mistake models: ``attn-spec explain MISTAKE-ID`` (the catalog of attn_spec.diagnosis).

@@ -45,6 +45,7 @@ from attn_spec.properties.arguments import is_causal, scale_argument
 from attn_spec.properties.windows import sliding_window, softcap
 from attn_spec.properties.mods import mask_mod_rows, mask_mod_statement, score_mod_statement
 from attn_spec.properties.devices import devices_agree
+from attn_spec.properties.decode import append_writes_exactly, cache_outside_invariance, decode_equals_full_causal
 
 __all__ = ["REGISTRY", "Property", "select", "check_property",
            "rows_sum_to_one", "causal_mask", "permutation_equivariance", "scale_sqrt_dk", "cross_attention_shapes",
@@ -52,7 +53,8 @@ __all__ = ["REGISTRY", "Property", "select", "check_property",
            "value_linearity", "key_shift_invariance", "numerical_stability", "determinism", "inputs_unchanged",
            "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
            "scale_argument", "is_causal", "sliding_window", "softcap", "mask_mod_statement", "mask_mod_rows",
-           "score_mod_statement", "devices_agree"]
+           "score_mod_statement", "devices_agree", "decode_equals_full_causal", "cache_outside_invariance",
+           "append_writes_exactly"]
 
 
 def select(only=None, skip=None) -> list[Property]:

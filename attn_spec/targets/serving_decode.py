@@ -1,0 +1,172 @@
+"""The ``decode`` convention: a KV-cache decoding kernel with flash-attn's signature, detected as it is.
+
+    out = flash_attn_with_kvcache(q [B, S_new, H, D], k_cache [B, S_c, H_kv, D], v_cache [B, S_c, H_kv, D],
+                                  k=None, v=None,  # [B, S_new, H_kv, D]: appended in place at cache_seqlens
+                                  cache_seqlens=None,  # int32 [B]: rows of the cache already filled
+                                  cache_leftpad=None,  # int32 [B]: the first row attended
+                                  softmax_scale=None, causal=False, return_softmax_lse=False, ...)
+
+Attended keys of batch element b: cache rows [leftpad_b, seqlens_b + S_new), after k and v are written at
+rows [seqlens_b, seqlens_b + S_new). Causal is aligned bottom-right: query i sees the keys up to
+n_keys_b - S_new + i, so decoding equals the last S_new rows of full causal attention. With
+``return_softmax_lse`` the kernel returns ``(out, lse [B, H, S_new])``. A kernel without this signature
+(SDPA with ``causal_lower_right``, say) is wrapped in a function that has it (examples/serving_kernels.py).
+
+The header reports what the kernel does, probed on tiny inputs: the causal alignment, whether it writes the
+cache, and, where it returns an LSE, its base (e or 2).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attn_spec.checking.assertions import fail
+from attn_spec.errors import Unsupported
+from attn_spec.targets.base import Target, _call, parameter_names
+from attn_spec.vocabulary import Traits
+
+F64 = torch.float64
+ARGUMENTS = ("k", "v", "cache_seqlens", "cache_leftpad", "softmax_scale", "causal", "return_softmax_lse")
+
+
+def decode_reference(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None, *, causal=True,
+                     scale=None, causal_alignment="bottom-right"):
+    """What a correct decode kernel computes, in float64: (out [B, S, H, D], lse [B, H, S] in base e, the caches
+    after the append). Grouped K/V heads are repeated to the query heads; an empty row has out 0, LSE -inf."""
+    q, k_cache, v_cache = (t.detach().to("cpu", F64) for t in (q, k_cache, v_cache))
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    B, S, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.zeros(B, S, H, v_cache.shape[-1], dtype=F64)  # [B, S, H, Dv]
+    lse = torch.full((B, H, S), -math.inf, dtype=F64)  # [B, H, S]
+    for b in range(B):
+        start, filled = (int(cache_leftpad[b]) if cache_leftpad is not None else 0), int(cache_seqlens[b])
+        if k is not None:
+            k_cache[b, filled:filled + S] = k[b].to("cpu", F64)  # [S, H_kv, D]
+            v_cache[b, filled:filled + S] = v[b].to("cpu", F64)
+        end = filled + (S if k is not None else 0)
+        keys, values = k_cache[b, start:end], v_cache[b, start:end]  # [L, H_kv, D]
+        group = H // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [L, H, D]
+        scores = scale * torch.einsum("shd,lhd->hsl", q[b], keys)  # [H, S, L]
+        if causal:
+            offset = keys.shape[0] - S if causal_alignment == "bottom-right" else 0
+            i, j = torch.arange(S)[:, None] + offset, torch.arange(keys.shape[0])[None, :]
+            scores = scores.masked_fill(j > i, -math.inf)  # [H, S, L]
+        lse[b] = torch.logsumexp(scores, dim=-1)  # [H, S]; -inf for a row with no key
+        weights = torch.exp(scores - lse[b][..., None]).nan_to_num(0.0)  # [H, S, L]
+        out[b] = torch.einsum("hsl,lhd->shd", weights, values)  # [S, H, Dv]
+    return out, lse, k_cache, v_cache
+
+
+class DecodeTarget(Target):
+    """``fn(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_leftpad=None, softmax_scale=None,
+    causal=False, return_softmax_lse=False)``: the arguments it does not declare are never passed."""
+
+    traits = Traits("decode", "flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, "
+                    "cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, "
+                    "return_softmax_lse=False, ...)", kind="serving", trained=False, masks=(),
+                    layout="bshd: q [B, S_new, H, D], caches [B, S_c, H_kv, D]", detect_rank=35)
+
+    @staticmethod
+    def detects(obj, names) -> bool:
+        return bool(names) and {"k_cache", "v_cache"} <= set(names)
+
+    def __init__(self, obj, name, masks=None, **kwargs):
+        super().__init__(obj, name, masks, **kwargs)
+        names = parameter_names(obj) or ()
+        self.accepts = {a for a in ARGUMENTS if a in names} if "kwargs" not in names else set(ARGUMENTS)
+        self.log = None  # a list while a failure is replayed (attn_spec.diagnosis.serving): every call kept
+        self.probed = None
+
+    def _attend(self, q, k, v, mask, **options):
+        raise Unsupported("a decode kernel is checked by the decode properties (attn-spec list)", total=True)
+
+    def lacks_option(self, key):
+        return "a decode kernel is checked by the decode properties"
+
+    def decode(self, q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None, *, causal=True,
+               scale=None, lse=False):
+        """One call of the kernel: ``out`` [B, S_new, H, D], or ``(out, lse [B, H, S_new])`` with ``lse``. The caches
+        are the caller's tensors, written in place by a kernel that appends k and v."""
+        given = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad,
+                 "softmax_scale": scale, "causal": causal or None, "return_softmax_lse": lse or None}
+        given = {key: value for key, value in given.items() if value is not None}
+        missing = [key for key in given if key not in self.accepts]
+        if missing:
+            raise Unsupported(f"{self.name} takes no {', '.join(missing)} argument", total=True)
+        before = [t.clone() for t in (q, k_cache, v_cache)] if self.log is not None else None
+        call = f"{self.name}(q, k_cache, v_cache{''.join(f', {key}=...' for key in given)})"
+        self.calls += 1
+        with torch.no_grad():
+            result = _call(lambda: self.obj(q, k_cache, v_cache, **given), (), call, self.state)
+        out, found_lse = result if lse and isinstance(result, (tuple, list)) else (result, None)
+        expected = (*q.shape[:3], v_cache.shape[-1])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+            fail(f"{list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}", what="the output",
+                 expected=f"a tensor of shape {list(expected)}: [B, S_new, H, D]", call=call,
+                 cause="a decode kernel returns out [B, S_new, H, D] (and the LSE with return_softmax_lse=True)")
+        if self.log is not None:
+            self.log.append({"q": before[0], "k_cache": before[1], "v_cache": before[2], "cache_seqlens": cache_seqlens,
+                             "k": k, "v": v, "cache_leftpad": cache_leftpad, "causal": causal, "scale": scale,
+                             "out": out.detach().clone(), "k_after": k_cache.detach().clone(),
+                             "v_after": v_cache.detach().clone()})
+        return (out, found_lse) if lse else out
+
+    def behaviour(self) -> dict:
+        """Probed once on tiny float64 inputs: causal alignment, whether it writes the cache, the LSE's base."""
+        if self.probed is None:
+            self.probed = {key: _safely(probe, self) for key, probe in PROBES.items()}
+        return self.probed
+
+    def notes(self):
+        found = self.behaviour()
+        return [f"decode: causal alignment {found['causal-alignment']}, writes the cache: {found['writes-cache']}, "
+                f"LSE: {found['lse-base']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
+                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}"]
+
+
+def _safely(probe, target) -> str:
+    try:
+        return probe(target)
+    except Unsupported:
+        return "n/a (an argument it does not take)"
+    except Exception as exc:  # noqa: BLE001 - the target's exception, reported in the header
+        return f"raises ({type(exc).__name__})"
+
+
+def _tiny():
+    """q = 0 over one head, one query, a cache of 3 rows whose values are 1, 2, 3: each weighting is readable."""
+    q = torch.zeros(1, 1, 1, 1, dtype=F64)  # [B, S, H, D]
+    k_cache = torch.zeros(1, 4, 1, 1, dtype=F64)  # [B, S_c, H, D]
+    v_cache = torch.tensor([1.0, 2.0, 3.0, 0.0], dtype=F64).reshape(1, 4, 1, 1)
+    return q, k_cache, v_cache, torch.tensor([3], dtype=torch.int32)
+
+
+def causal_alignment(target) -> str:
+    """One query over 3 keys, causal: bottom-right sees all three (mean 2), top-left only the first (1)."""
+    q, k_cache, v_cache, seqlens = _tiny()
+    out = target.decode(q, k_cache, v_cache, seqlens, causal=True).to(F64).flatten()
+    return {2.0: "bottom-right", 1.0: "top-left"}.get(round(out.item(), 6), f"other (out {out.item():.4g})")
+
+
+def writes_cache(target) -> str:
+    """Append one row (k = 0, v = 7) to a cache of 3: the kernel writes row 3 in place, or not."""
+    q, k_cache, v_cache, seqlens = _tiny()
+    k_new, v_new = torch.zeros(1, 1, 1, 1, dtype=F64), torch.full((1, 1, 1, 1), 7.0, dtype=F64)
+    target.decode(q, k_cache, v_cache, seqlens, k_new, v_new, causal=True)
+    return "yes" if v_cache[0, 3, 0, 0].item() == 7.0 else "no"
+
+
+def lse_base(target) -> str:
+    """q = 0 over 3 keys: the LSE is ln 3 in base e, log2 3 in base 2."""
+    q, k_cache, v_cache, seqlens = _tiny()
+    _, lse = target.decode(q, k_cache, v_cache, seqlens, causal=True, lse=True)
+    if lse is None:
+        return "not returned"
+    value = lse.to(F64).flatten()[0].item()
+    return {round(math.log(3), 6): "e", round(math.log2(3), 6): "2"}.get(round(value, 6), f"other ({value:.4g})")
+
+
+PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base}

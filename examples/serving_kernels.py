@@ -1,0 +1,65 @@
+"""Serving kernels on the CPU, checked by ``attn-spec check`` with no flags (the decode convention is detected
+from flash-attn's parameter names):
+
+    attn-spec check examples/serving_kernels.py:decode_kernel
+    attn-spec check examples/serving_kernels.py:sdpa_decode
+
+``decode_kernel`` is a reference KV-cache decode kernel written plainly in torch; ``sdpa_decode`` is PyTorch's
+SDPA used as one, through the small adapter a serving stack writes: it appends k and v to the cache, slices
+the rows a sequence attends, and masks with ``causal_lower_right`` (SDPA's ``is_causal`` is aligned top-left,
+which is wrong for decoding).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens):
+    """Write k, v [B, S, H_kv, D] in place at rows [cache_seqlens_b, cache_seqlens_b + S); the new lengths [B]."""
+    if k is None:
+        return cache_seqlens
+    S = k.shape[1]
+    for b, start in enumerate(cache_seqlens.tolist()):
+        k_cache[b, start:start + S] = k[b]  # [S, H_kv, D]
+        v_cache[b, start:start + S] = v[b]
+    return cache_seqlens + S
+
+
+def decode_kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_leftpad=None, softmax_scale=None,
+                  causal=False, return_softmax_lse=False):
+    """flash_attn_with_kvcache's contract, one batch element at a time: q [B, S, H, D], caches [B, S_c, H_kv, D]."""
+    B, S, H, D = q.shape
+    lengths = _append(k_cache, v_cache, k, v, cache_seqlens)  # [B]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    out = q.new_zeros(B, S, H, v_cache.shape[-1])  # [B, S, H, Dv]
+    lse = torch.full((B, H, S), -math.inf, dtype=torch.float32)  # [B, H, S]
+    for b in range(B):
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        keys, values = k_cache[b, start:int(lengths[b])], v_cache[b, start:int(lengths[b])]  # [L, H_kv, D]
+        group = H // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [L, H, D]
+        scores = torch.einsum("shd,lhd->hsl", q[b].float(), keys.float()) * scale  # [H, S, L]
+        if causal:  # bottom-right: new token i is token L - S + i
+            L = keys.shape[0]
+            future = torch.arange(L)[None, :] > torch.arange(S)[:, None] + (L - S)  # [S, L]
+            scores = scores.masked_fill(future, -math.inf)
+        lse[b] = torch.logsumexp(scores, dim=-1)  # [H, S]
+        weights = torch.exp(scores - lse[b][..., None]).nan_to_num(0.0)  # [H, S, L]; a row with no key gives 0
+        out[b] = torch.einsum("hsl,lhd->shd", weights, values.float()).to(q.dtype)  # [S, H, Dv]
+    return (out, lse) if return_softmax_lse else out
+
+
+def sdpa_decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False):
+    """SDPA as a decode kernel: append, then one SDPA call per sequence on its rows, causal_lower_right."""
+    S = q.shape[1]
+    lengths = _append(k_cache, v_cache, k, v, cache_seqlens)  # [B]
+    rows = []
+    for b, length in enumerate(lengths.tolist()):
+        q_b = q[b:b + 1].transpose(1, 2)  # [1, H, S, D]
+        k_b, v_b = (t[b:b + 1, :length].transpose(1, 2) for t in (k_cache, v_cache))  # [1, H_kv, L, D]
+        mask = causal_lower_right(S, length) if causal else None
+        rows.append(F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask, scale=softmax_scale,
+                                                   enable_gqa=q_b.shape[1] != k_b.shape[1]))  # [1, H, S, D]
+    return torch.cat(rows).transpose(1, 2)  # [B, S, H, D]
