@@ -31,6 +31,7 @@ from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.strategies import get_profile
 from attn_spec.diagnosis.evidence import differs, record
 from attn_spec.diagnosis.run import diagnose_report
+from attn_spec.diagnosis.serving import diagnose_serving
 
 
 def _snippet(prop: Property, case, target: Target, seed: int) -> str:
@@ -434,6 +435,8 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         start = time.perf_counter()
         diagnose_report(target, report, REGISTRY)
         report.diagnosis_seconds = time.perf_counter() - start
+    elif diagnose and target.convention in conventions(kind="serving") and any(r.status == "fail" for r in report.properties):
+        diagnose_serving(target, report, REGISTRY)  # a serving kernel: its own mistake models, replayed on its calls
     report.properties.extend(probe_errors + _requirements(report, require))
     report.notes = target.notes()  # with what the calls taught (an hf function reading a module attribute the kit lacks)
     report.calls = target.calls

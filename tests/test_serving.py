@@ -1,0 +1,83 @@
+"""Serving kernels: the decode convention detected from flash-attn's names, its header probes, the float64
+decode reference, the CPU kernels of examples/serving_kernels.py conforming with no flags, and flash-attn's
+own kernel where a GPU and the library are present."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import attn_spec
+from attn_spec import reference
+from attn_spec.cli import main
+from attn_spec.targets.conventions import make_target
+from attn_spec.targets.loading import load_target
+from attn_spec.targets.serving_decode import decode_reference
+from gallery.serving import decode_top_left
+
+KERNELS = Path(__file__).resolve().parents[1] / "examples" / "serving_kernels.py"
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2.8's signature, as it is (the body is the kit's own reference)."""
+    out, lse, k_after, v_after = decode_reference(q, k_cache, v_cache, cache_seqlens, k, v, cache_leftpad,
+                                                  causal=causal, scale=softmax_scale)
+    k_cache.copy_(k_after)
+    v_cache.copy_(v_after)
+    out = out.to(q.dtype)
+    return (out, lse.float()) if return_softmax_lse else out
+
+
+def test_flash_attn_signature_is_detected_and_probed():
+    target = make_target(flash_attn_with_kvcache)
+    assert target.convention == "decode"
+    assert target.behaviour() == {"causal-alignment": "bottom-right", "writes-cache": "yes", "lse-base": "e"}
+    assert make_target(decode_top_left).behaviour()["causal-alignment"] == "top-left"
+
+
+def test_decode_reference_is_the_last_rows_of_full_causal_attention():
+    g = torch.Generator().manual_seed(0)
+    L, S, H, D = 7, 3, 2, 4
+    q, k, v = (torch.randn(1, L, H, D, generator=g, dtype=torch.float64) for _ in range(3))  # [B, L, H, D]
+    full, _ = reference.attention(*(t[0].transpose(0, 1) for t in (q, k, v)), causal=True)  # [H, L, D]
+    cache = [torch.zeros(1, L + 2, H, D, dtype=torch.float64) for _ in range(2)]
+    cache[0][:, :L - S], cache[1][:, :L - S] = k[:, :L - S], v[:, :L - S]
+    out, lse, k_after, _ = decode_reference(q[:, L - S:], *cache, torch.tensor([L - S]), k[:, L - S:], v[:, L - S:])
+    assert torch.allclose(out[0].transpose(0, 1), full[:, L - S:], atol=1e-12)
+    assert torch.equal(k_after[:, :L], k[:, :])  # the appended rows are exactly the new ones
+    scores = torch.einsum("hd,lhd->hl", q[0, L - 1], k[0]) / math.sqrt(D)  # [H, L]: the last token sees every key
+    assert torch.allclose(lse[0, :, -1], torch.logsumexp(scores, dim=-1), atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["decode_kernel", "sdpa_decode"])
+def test_cpu_kernels_conform_with_no_flags(kernel, capsys):
+    code = main(["check", f"{KERNELS}:{kernel}", "--profile", "quick", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(decode convention): CONFORMS" in out, out
+    assert "causal alignment bottom-right, writes the cache: yes" in out
+
+
+def test_list_conventions_shows_decode(capsys):
+    assert main(["list", "--conventions"]) == 0
+    assert "decode" in capsys.readouterr().out
+
+
+def test_a_decode_kernel_gets_only_the_decode_properties():
+    report = attn_spec.check(load_target(f"{KERNELS}:decode_kernel"), profile="quick", seed=0,
+                             only=["decode-equals-full-causal", "rows-sum-to-one"])
+    assert [p.id for p in report.targets[0].properties] == ["decode-equals-full-causal"]
+
+
+GPU = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not (GPU and importlib.util.find_spec("flash_attn")), reason="flash-attn and a GPU are not present")
+def test_flash_attn_with_kvcache_conforms():  # pragma: no cover - runs on a GPU machine with flash-attn
+    from flash_attn import flash_attn_with_kvcache as kernel
+
+    report = attn_spec.check(kernel, profile="quick", seed=0, dtypes=["float16", "bfloat16"], devices=["cuda"])
+    assert report.conforms, str(report)
