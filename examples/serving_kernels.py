@@ -33,6 +33,7 @@ def decode_kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache
     B, S, H, D = q.shape
     lengths = _append(k_cache, v_cache, k, v, cache_seqlens)  # [B]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # half-precision inputs accumulate in float32
     out = q.new_zeros(B, S, H, v_cache.shape[-1])  # [B, S, H, Dv]
     lse = torch.full((B, H, S), -math.inf, dtype=torch.float32)  # [B, H, S]
     for b in range(B):
@@ -40,14 +41,14 @@ def decode_kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache
         keys, values = k_cache[b, start:int(lengths[b])], v_cache[b, start:int(lengths[b])]  # [L, H_kv, D]
         group = H // keys.shape[1]
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [L, H, D]
-        scores = torch.einsum("shd,lhd->hsl", q[b].float(), keys.float()) * scale  # [H, S, L]
+        scores = torch.einsum("shd,lhd->hsl", q[b].to(acc), keys.to(acc)) * scale  # [H, S, L]
         if causal:  # bottom-right: new token i is token L - S + i
             L = keys.shape[0]
             future = torch.arange(L)[None, :] > torch.arange(S)[:, None] + (L - S)  # [S, L]
             scores = scores.masked_fill(future, -math.inf)
-        lse[b] = torch.logsumexp(scores, dim=-1)  # [H, S]
-        weights = torch.exp(scores - lse[b][..., None]).nan_to_num(0.0)  # [H, S, L]; a row with no key gives 0
-        out[b] = torch.einsum("hsl,lhd->shd", weights, values.float()).to(q.dtype)  # [S, H, Dv]
+        lse[b] = torch.logsumexp(scores, dim=-1).float()  # [H, S]
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [H, S, L]; a row with no key gives 0
+        out[b] = torch.einsum("hsl,lhd->shd", weights, values.to(acc)).to(q.dtype)  # [S, H, Dv]
     return (out, lse) if return_softmax_lse else out
 
 
