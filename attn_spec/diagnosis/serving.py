@@ -9,6 +9,7 @@ equal), where the correct kernel does not.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -130,3 +131,17 @@ def diagnose_serving(target, report, registry) -> None:
     for r in failing:
         r.blocked_by = None if r.id == root else root
         r.cause = m.sentence
+
+
+def lesson(mistake_id: str) -> str:
+    """``attn-spec explain ID`` for a serving mistake: what the wrong kernel does, the fix, its code, how it is found."""
+    m = SERVING_MISTAKES[mistake_id]
+    source = inspect.getsource(m.fn)
+    code = source[source.index("\ndef ") + 1:]  # without the decorator
+    return (f"{m.id} ({m.convention} convention)\n\nWhat the wrong kernel does\n  {m.sentence}\n\nThe fix\n  {m.fix}\n\n"
+            f"The wrong kernel, as the kit models it (a change of decode_reference)\n"
+            + "".join(f"  {line}\n" for line in code.rstrip().splitlines()) +
+            f"\nHow the kit recognises it\n  Each failing property is replayed on its minimal case with every call into "
+            f"the kernel kept; {m.id} is named when it reproduces every kept call (outputs within a few units in the "
+            f"last place, NaN where the kernel gave NaN, both caches afterwards) and the correct kernel does not. "
+            f"Shown at: {', '.join(m.caught_by)}.\n")
