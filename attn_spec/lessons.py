@@ -287,7 +287,16 @@ def _ex_decode() -> str:
                           reference.causal_mask(2, 4, alignment="bottom-right").double()),
                        _m("the same aligned top-left (kv_idx <= q_idx): the new tokens lose the keys before them",
                           reference.causal_mask(2, 4).double()),
-                       "bottom-right rows are the last 2 rows of the 4 x 4 causal mask: decoding = the full forward pass"])
+                       _m("out with q = 0 and V = [1, 2, 3, 4], bottom-right (the last 2 rows of full causal)",
+                          _decode_means("bottom-right")),
+                       _m("the same, top-left (what SDPA's is_causal gives)", _decode_means("top-left"))])
+
+
+def _decode_means(alignment: str) -> torch.Tensor:
+    """Two new tokens with q = 0 over 4 keys whose values are 1..4: each output is the mean of the keys it sees."""
+    out, _ = reference.attention(torch.zeros(2, 1, dtype=F64), torch.zeros(4, 1, dtype=F64),
+                                 torch.arange(1.0, 5.0, dtype=F64)[:, None], causal=True, causal_alignment=alignment)
+    return out  # [2, 1]
 
 
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
