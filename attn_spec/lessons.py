@@ -299,12 +299,26 @@ def _decode_means(alignment: str) -> torch.Tensor:
     return out  # [2, 1]
 
 
+def _ex_merge() -> str:
+    scores = torch.tensor([0.0, 1.0, 2.0], dtype=F64)  # one query over 3 keys, V = [1, 2, 3]
+    values = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    lse_a, lse_b = torch.logsumexp(scores[:1], 0), torch.logsumexp(scores[1:], 0)
+    out_a, out_b = values[0], (torch.softmax(scores[1:], 0) * values[1:]).sum()
+    lse = torch.logaddexp(lse_a, lse_b)
+    merged = torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b
+    return "\n".join([_m("scores of one query over 3 keys (V = [1, 2, 3]), split as {0} and {1, 2}", scores),
+                       _m("(out, lse) of each part", torch.stack([torch.stack([out_a, lse_a]), torch.stack([out_b, lse_b])])),
+                       _m("merged (out, lse)", torch.stack([merged, lse])),
+                       _m("attention over all 3 keys (out, lse)", torch.stack([(torch.softmax(scores, 0) * values).sum(),
+                                                                              torch.logsumexp(scores, 0)]))])
+
+
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
             "permutation": _ex_permutation, "scale": _ex_scale, "shapes": _ex_shapes, "shift": _ex_shift,
             "linearity": _ex_linearity, "stability": _ex_stability, "batch": _ex_batch, "dtype": _ex_dtype,
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
             "multihead": _ex_multihead, "window": _ex_window, "softcap": _ex_softcap, "mask-mod": _ex_mask_mod,
-            "score-mod": _ex_score_mod, "decode": _ex_decode}
+            "score-mod": _ex_score_mod, "decode": _ex_decode, "merge": _ex_merge}
 
 
 # Mistake models: ``attn-spec explain MISTAKE-ID`` (the catalog of attn_spec.diagnosis).

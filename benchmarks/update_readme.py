@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attn_spec.properties  # noqa: F401 - fills the registry
 from attn_spec.checking.catalog import REGISTRY
-from attn_spec.targets.conventions import ATTENTION_CONVENTIONS, MOD_CONVENTIONS
+from attn_spec.targets.conventions import ATTENTION_CONVENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -33,14 +33,15 @@ REGION = re.compile(r"<!-- generated:(?P<name>[^>]+?) -->(?P<text>.*?)<!-- /gene
 def table() -> str:
     rows = ["| id | family | statement | conventions |", "|---|---|---|---|"]
     for p in REGISTRY.values():
-        conventions = "all" if set(p.conventions) == set(ATTENTION_CONVENTIONS) else ", ".join(p.conventions)
+        conventions = "all" if not p.only_for else ", ".join(p.only_for)
         rows.append(f"| `{p.id}` | {p.family} | {p.statement} | {conventions} |")
     return "\n".join(rows)
 
 
 def attention_properties() -> int:
-    """The properties a check reports on an attention target (the FlexAttention mods' own left out)."""
-    return sum(not set(p.conventions) <= set(MOD_CONVENTIONS) for p in REGISTRY.values())
+    """The properties a check reports on an attention target (the FlexAttention mods' and serving kernels' own
+    left out: runner.applicable)."""
+    return sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in REGISTRY.values())
 
 
 def _gallery():

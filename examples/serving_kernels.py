@@ -64,3 +64,20 @@ def sdpa_decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax
         rows.append(F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask, scale=softmax_scale,
                                                    enable_gqa=q_b.shape[1] != k_b.shape[1]))  # [1, H, S, D]
     return torch.cat(rows).transpose(1, 2)  # [B, S, H, D]
+
+
+def merge_state(v_a, s_a, v_b, s_b):
+    """Two partial attentions v [T, H, D] with natural-log LSEs s [T, H], merged; two empty states give (0, -inf)."""
+    s = torch.logaddexp(s_a, s_b)  # [T, H]; -inf only where both are empty
+    safe = torch.where(torch.isneginf(s), 0.0, s)  # no -inf - (-inf)
+    w_a, w_b = torch.exp(s_a - safe)[..., None], torch.exp(s_b - safe)[..., None]  # [T, H, 1]; 0 for an empty side
+    v = w_a * v_a.to(w_a.dtype) + w_b * v_b.to(w_b.dtype)
+    return v.to(v_a.dtype), s
+
+
+def merge_state_base2(v_a, s_a, v_b, s_b):
+    """FlashInfer's form: LSEs in base 2 (m + log2(d)); the header reports the base it was found to use."""
+    s = torch.logaddexp2(s_a, s_b)  # [T, H]
+    safe = torch.where(torch.isneginf(s), 0.0, s)
+    w_a, w_b = torch.exp2(s_a - safe)[..., None], torch.exp2(s_b - safe)[..., None]  # [T, H, 1]
+    return (w_a * v_a.to(w_a.dtype) + w_b * v_b.to(w_b.dtype)).to(v_a.dtype), s

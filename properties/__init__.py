@@ -46,6 +46,7 @@ from attn_spec.properties.windows import sliding_window, softcap
 from attn_spec.properties.mods import mask_mod_rows, mask_mod_statement, score_mod_statement
 from attn_spec.properties.devices import devices_agree
 from attn_spec.properties.decode import append_writes_exactly, cache_outside_invariance, decode_equals_full_causal
+from attn_spec.properties.merge import merge_empty_neutral, merge_equals_union
 
 __all__ = ["REGISTRY", "Property", "select", "check_property",
            "rows_sum_to_one", "causal_mask", "permutation_equivariance", "scale_sqrt_dk", "cross_attention_shapes",
@@ -54,7 +55,7 @@ __all__ = ["REGISTRY", "Property", "select", "check_property",
            "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
            "scale_argument", "is_causal", "sliding_window", "softcap", "mask_mod_statement", "mask_mod_rows",
            "score_mod_statement", "devices_agree", "decode_equals_full_causal", "cache_outside_invariance",
-           "append_writes_exactly"]
+           "append_writes_exactly", "merge_equals_union", "merge_empty_neutral"]
 
 
 def select(only=None, skip=None) -> list[Property]:

@@ -81,3 +81,28 @@ def test_flash_attn_with_kvcache_conforms():  # pragma: no cover - runs on a GPU
 
     report = attn_spec.check(kernel, profile="quick", seed=0, dtypes=["float16", "bfloat16"], devices=["cuda"])
     assert report.conforms, str(report)
+
+
+def test_merge_kernels_are_detected_and_their_base_probed():
+    for name, base in (("merge_state", "e"), ("merge_state_base2", "2")):
+        target = make_target(load_target(f"{KERNELS}:{name}"))
+        assert target.convention == "merge" and target.behaviour()["lse-base"] == base
+
+
+def test_merge_reference_equals_attention_over_the_union():
+    from attn_spec.checking.cases import Case
+    from attn_spec.properties.merge import partial_states
+    from attn_spec.targets.serving_merge import merge_reference
+
+    parts, (out, lse) = partial_states(Case(batch=(2,), n_q=3, n_kv=7, d_k=4, d_v=4, values="normal", seed=5))
+    v, s = parts[0]
+    for part in parts[1:]:
+        v, s = merge_reference(v, s, *part)
+    assert len(parts) >= 2 and torch.allclose(v, out, atol=1e-12) and torch.allclose(s, lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["merge_state", "merge_state_base2"])
+def test_cpu_merge_kernels_conform_with_no_flags(kernel, capsys):
+    code = main(["check", f"{KERNELS}:{kernel}", "--profile", "quick", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(merge convention): CONFORMS" in out, out

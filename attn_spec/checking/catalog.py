@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_spec.checking import strategies
-from attn_spec.targets.conventions import ATTENTION_CONVENTIONS, MULTIHEAD_CONVENTIONS, Target, make_target
+from attn_spec.targets.conventions import Target, conventions, make_target
 from attn_spec.checking.cases import Case, MhaCase
 
 REGISTRY: dict[str, "Property"] = {}
@@ -44,7 +44,7 @@ class Property:
     fn: Callable
     family: str
     statement: str
-    conventions: tuple[str, ...]
+    only_for: tuple[str, ...]  # the conventions it applies to; empty: every attention convention, those registered later too
     case_options: dict = field(default_factory=dict)  # keyword arguments for the case strategy
     multihead: bool | str = False  # True: draws MhaCase; "module": MhaCase for multi-head conventions
     examples: tuple = ()  # explicit cases, tried first, before anything random
@@ -53,6 +53,11 @@ class Property:
     # At fixed shapes (--shapes, the scale profile; see attn_spec.checking.shapes): the cases to check
     # there, {"masks": (...), "grouped": bool}, or why the property does not apply at such sizes.
     at_scale: dict | str | None = None
+
+    @property
+    def conventions(self) -> tuple[str, ...]:
+        """The conventions it applies to, now: ``only_for``, or every registered attention convention."""
+        return self.only_for or conventions(kind="attention")
 
     @property
     def derivation(self) -> Callable[[], list] | None:
@@ -65,7 +70,8 @@ class Property:
 
     def uses_multihead(self, convention: str) -> bool:
         """True: always MhaCase; "module": MhaCase for every multi-head convention (module, torch-mha, adapter)."""
-        return self.multihead is True or (self.multihead == "module" and convention in MULTIHEAD_CONVENTIONS)
+        return self.multihead is True or (self.multihead == "module"
+                                          and convention in conventions(kind="attention", multihead=True))
 
     def strategy(self, profile, convention: str, *, dtypes=None, devices=None, fitted=None):
         """The case strategy for one target convention, restricted to the requested dtypes/devices
@@ -89,9 +95,10 @@ class Property:
         return self.fn(target if isinstance(target, Target) else make_target(target), case)
 
 
-def prop(id: str, *, family: str, statement: str, conventions=ATTENTION_CONVENTIONS, cases=None,
+def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
          multihead=False, examples=(), after=(), lesson: Lesson | None = None, at_scale=None):
-    """Register ``fn`` under ``id`` (stable, kebab-case: a public contract)."""
+    """Register ``fn`` under ``id`` (stable, kebab-case: a public contract). ``conventions``: those it applies to
+    (default: every attention convention, attn_spec.vocabulary)."""
 
     def register(fn):
         if id in REGISTRY:

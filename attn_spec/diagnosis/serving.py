@@ -1,8 +1,9 @@
 """Mistake models of serving kernels, and the diagnosis that names one root for a serving target's failures.
 
 A serving mistake is the wrong kernel itself, written as a change of the correct one
-(attn_spec.targets.serving_decode.decode_reference): ``fn(call) -> (out, k_cache after, v_cache after)`` on
-the inputs one recorded call got. The diagnosis replays each failing property on its minimal case with every
+(attn_spec.targets.serving_decode.decode_reference, serving_merge.merge_reference): ``fn(call) -> {name: tensor}``
+on the inputs one recorded call got, the outputs named as the call's record names them (decode: out, k_after,
+v_after; merge: v, s). The diagnosis replays each failing property on its minimal case with every
 call kept (``DecodeTarget.log``), and names the mistake that reproduces every kept call of every failing
 property (outputs within a few units in the last place of their dtype, NaN where the target has NaN, caches
 equal), where the correct kernel does not.
@@ -16,7 +17,10 @@ from typing import Callable
 import torch
 
 from attn_spec.diagnosis.roots import Diagnosis
+import math
+
 from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.targets.serving_merge import merge_reference
 
 SERVING_MISTAKES: dict[str, "ServingMistake"] = {}
 
@@ -38,9 +42,21 @@ def serving_mistake(id: str, *, convention: str, sentence: str, fix: str, caught
     return register
 
 
-def _correct(c):
-    return decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
-                            c["cache_leftpad"], causal=c["causal"], scale=c["scale"])
+def _decoded(out, lse, k_after, v_after) -> dict:
+    return {"out": out, "k_after": k_after, "v_after": v_after}
+
+
+def _correct_decode(c):
+    return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
+                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"]))
+
+
+def _correct_merge(c):
+    v, s = merge_reference(*c["inputs"], base=c["base"])
+    return {"v": v, "s": s}
+
+
+CORRECT = {"decode": _correct_decode, "merge": _correct_merge}
 
 
 @serving_mistake("decode-causal-top-left", convention="decode",
@@ -48,8 +64,9 @@ def _correct(c):
                  fix="align causal bottom-right (SDPA: attn_mask=causal_lower_right(S_new, n_keys), not is_causal=True)",
                  caught_by=("decode-equals-full-causal",))
 def causal_top_left(c):
-    return decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
-                            c["cache_leftpad"], causal=c["causal"], scale=c["scale"], causal_alignment="top-left")
+    return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
+                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"],
+                                      causal_alignment="top-left"))
 
 
 @serving_mistake("cache-tail-read", convention="decode",
@@ -58,11 +75,11 @@ def causal_top_left(c):
                  fix="attend only rows [cache_leftpad, cache_seqlens + S_new) of each element (slice or mask the rest)",
                  caught_by=("cache-outside-invariance", "decode-equals-full-causal"))
 def cache_tail_read(c):
-    _, _, k_after, v_after = _correct(c)  # appended where it must be, then the whole cache read
+    appended = _correct_decode(c)  # appended where it must be, then the whole cache read
     full = torch.full_like(torch.as_tensor(c["cache_seqlens"]), c["k_cache"].shape[1])
-    out, _, _, _ = decode_reference(c["q"], k_after, v_after, full, None, None, c["cache_leftpad"],
-                                    causal=c["causal"], scale=c["scale"])
-    return out, None, k_after, v_after
+    out, _, _, _ = decode_reference(c["q"], appended["k_after"], appended["v_after"], full, None, None,
+                                    c["cache_leftpad"], causal=c["causal"], scale=c["scale"])
+    return {**appended, "out": out}
 
 
 @serving_mistake("cache-append-off-by-one", convention="decode",
@@ -73,8 +90,32 @@ def cache_tail_read(c):
                  caught_by=("append-writes-exactly", "cache-outside-invariance", "decode-equals-full-causal"))
 def cache_append_off_by_one(c):
     late = None if c["k"] is None else torch.as_tensor(c["cache_seqlens"]) + 1
-    return decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"] if late is None else late,
-                            c["k"], c["v"], c["cache_leftpad"], causal=c["causal"], scale=c["scale"])
+    return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"] if late is None else late,
+                                      c["k"], c["v"], c["cache_leftpad"], causal=c["causal"], scale=c["scale"]))
+
+
+@serving_mistake("merge-empty-nan", convention="merge",
+                 sentence="the merge subtracts the larger LSE without a guard: two empty states (LSE -inf) give "
+                          "exp(-inf - (-inf)) = NaN instead of the empty state (0, -inf)",
+                 fix="where both LSEs are -inf, return (0, -inf): weight 0 for each side (FlashInfer PR #4054)",
+                 caught_by=("merge-empty-neutral", "merge-equals-union"))
+def merge_empty_nan(c):
+    v_a, s_a, v_b, s_b = (t.to(torch.float64) for t in c["inputs"])
+    ln = math.log(c["base"])
+    m = torch.maximum(s_a, s_b) * ln  # [T, H]: -inf when both are empty
+    w_a, w_b = torch.exp(s_a * ln - m), torch.exp(s_b * ln - m)  # NaN when both are empty
+    d = w_a + w_b
+    return {"v": (w_a[..., None] * v_a + w_b[..., None] * v_b) / d[..., None], "s": (m + torch.log(d)) / ln}
+
+
+@serving_mistake("merge-lse-max", convention="merge",
+                 sentence="the merged LSE is the larger of the two, not their log-sum-exp: the output is weighted "
+                          "right but the LSE passed on loses log(1 + exp(-|s_a - s_b|))",
+                 fix="return s = logaddexp(s_a, s_b) (max + log of the sum of the rescaled weights)",
+                 caught_by=("merge-equals-union",))
+def merge_lse_max(c):
+    merged = _correct_merge(c)
+    return {**merged, "s": torch.maximum(*(t.to(torch.float64) for t in c["inputs"][1::2]))}
 
 
 def _same(got, model, dtype) -> bool:
@@ -89,10 +130,8 @@ def _same(got, model, dtype) -> bool:
 
 
 def reproduces(fn, call) -> bool:
-    out, _, k_after, v_after = fn(call)
-    dtype = call["q"].dtype
-    return (_same(call["out"], out, dtype) and _same(call["k_after"], k_after, call["k_after"].dtype)
-            and _same(call["v_after"], v_after, call["v_after"].dtype))
+    """The model's outputs equal the recorded ones, each within a few units in the last place of its dtype."""
+    return all(_same(call[name], model, call[name].dtype) for name, model in fn(call).items())
 
 
 def replay(target, prop, case) -> list[dict]:
@@ -114,7 +153,8 @@ def diagnose_serving(target, report, registry) -> None:
     if not failing or not hasattr(target, "log"):
         return
     calls = {r.id: replay(target, registry[r.id], r.case) for r in failing}
-    if not all(calls.values()) or all(all(reproduces(_correct, c) for c in kept) for kept in calls.values()):
+    correct = CORRECT[target.convention]
+    if not all(calls.values()) or all(all(reproduces(correct, c) for c in kept) for kept in calls.values()):
         return  # nothing kept, or the correct kernel reproduces it all: not a mistake of these models
     fits = [m for m in SERVING_MISTAKES.values() if m.convention == target.convention
             and all(reproduces(m.fn, c) for kept in calls.values() for c in kept)]
@@ -124,7 +164,7 @@ def diagnose_serving(target, report, registry) -> None:
     pids = [r.id for r in failing]
     root = next((p for p in m.caught_by if p in pids), pids[0])
     evidence = (f"reproduces every call of {len(pids)} failing propert{'y' if len(pids) == 1 else 'ies'} "
-                f"({sum(len(kept) for kept in calls.values())} calls), outputs and caches")
+                f"({sum(len(kept) for kept in calls.values())} calls), every output")
     if len(fits) > 1:
         evidence += f"; also consistent with: {', '.join(f.id for f in fits[1:])}"
     report.diagnoses = [Diagnosis(root, m.id, m.sentence, m.fix, sorted(pids, key=order.index), evidence)]

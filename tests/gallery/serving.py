@@ -52,3 +52,25 @@ def decode_tail_read(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, ca
 def decode_append_off_by_one(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False):
     return _decode(q, k_cache, v_cache, k, v, cache_seqlens, causal=causal, write_at=lambda start: start + 1,
                    attended=lambda end, size: end + 1 if k is not None else end)
+
+
+correct("merge", name="merge_state_reference")(load_target(f"{KERNELS}:merge_state"))
+correct("merge", name="merge_state_base2")(load_target(f"{KERNELS}:merge_state_base2"))
+
+
+@buggy("merge-empty-neutral", bug="max-subtraction without a guard: two empty states give NaN (FlashInfer #4051)",
+       mistake="merge-empty-nan", convention="merge")
+def merge_nan_on_empty(v_a, s_a, v_b, s_b):
+    m = torch.maximum(s_a, s_b)  # [T, H]
+    w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)  # NaN where both are -inf
+    d = w_a + w_b
+    return (w_a[..., None] * v_a + w_b[..., None] * v_b) / d[..., None], m + torch.log(d)
+
+
+@buggy("merge-equals-union", bug="the merged LSE is the max of the two, the log of the rescaled sum forgotten",
+       mistake="merge-lse-max", convention="merge")
+def merge_lse_is_max(v_a, s_a, v_b, s_b):
+    s = torch.logaddexp(s_a, s_b)
+    safe = torch.where(torch.isneginf(s), 0.0, s)
+    w_a, w_b = torch.exp(s_a - safe)[..., None], torch.exp(s_b - safe)[..., None]
+    return (w_a * v_a + w_b * v_b).to(v_a.dtype), torch.maximum(s_a, s_b)
