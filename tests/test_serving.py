@@ -106,3 +106,13 @@ def test_cpu_merge_kernels_conform_with_no_flags(kernel, capsys):
     code = main(["check", f"{KERNELS}:{kernel}", "--profile", "quick", "--seed", "3"])
     out = capsys.readouterr().out
     assert code == 0 and "(merge convention): CONFORMS" in out, out
+
+
+def test_the_serving_benchmark_runs_at_tiny_sizes_on_the_cpu():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(KERNELS.parents[1] / "benchmarks" / "bench_serving.py"), "--tiny"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "decode_kernel" in done.stdout and "merge-empty-neutral" in done.stdout and "FAIL" not in done.stdout
