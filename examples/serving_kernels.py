@@ -81,3 +81,27 @@ def merge_state_base2(v_a, s_a, v_b, s_b):
     safe = torch.where(torch.isneginf(s), 0.0, s)
     w_a, w_b = torch.exp2(s_a - safe)[..., None], torch.exp2(s_b - safe)[..., None]  # [T, H, 1]
     return (w_a * v_a.to(w_a.dtype) + w_b * v_b.to(w_b.dtype)).to(v_a.dtype), s
+
+
+def flash_cpu_decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False,
+                     return_softmax_lse=False):
+    """PyTorch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which returns the LSE) as a
+    decode kernel, one sequence at a time on its own rows (the op is top-left causal, so causal is a bottom-right
+    float mask of our own). The op dies on zero keys: a sequence with none gets one row, masked; the op then
+    returns LSE 0 for it, which the header reports."""
+    B, S, H, D = q.shape
+    lengths = _append(k_cache, v_cache, k, v, cache_seqlens)  # [B]
+    group = H // k_cache.shape[2]
+    outs, lses = [], []
+    for b, length in enumerate(lengths.tolist()):
+        keys, values = (t[b:b + 1, :max(length, 1)].repeat_interleave(group, 2).transpose(1, 2)
+                        for t in (k_cache, v_cache))  # [1, H, L, D]
+        rows = torch.arange(keys.shape[2])[None, :]  # [1, L]
+        blocked = (rows >= length) | ((rows > torch.arange(S)[:, None] + (length - S)) if causal else False)  # [S, L]
+        mask = torch.zeros(1, 1, S, keys.shape[2], dtype=q.dtype).masked_fill(blocked, -math.inf)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[b:b + 1].transpose(1, 2), keys, values, 0.0, False, attn_mask=mask, scale=softmax_scale)[:2]
+        outs.append(out.transpose(1, 2))  # [1, S, H, D]
+        lses.append(lse)  # [1, H, S]
+    out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) if return_softmax_lse else out

@@ -116,3 +116,23 @@ def test_the_serving_benchmark_runs_at_tiny_sizes_on_the_cpu():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "decode_kernel" in done.stdout and "merge-empty-neutral" in done.stdout and "FAIL" not in done.stdout
+
+
+def test_the_cpu_flash_ops_empty_row_lse_is_found_and_named():
+    """torch 2.13's CPU flash op gives a row with no key LSE 0, not -inf: a behaviour, reported, not punished."""
+    target = make_target(load_target(f"{KERNELS}:flash_cpu_decode"))
+    assert target.behaviour()["lse-empty-row"].startswith("0 (not neutral in a merge")
+    assert make_target(load_target(f"{KERNELS}:decode_kernel")).behaviour()["lse-empty-row"] == "-inf"
+
+
+def zero_key_flash_decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
+                          return_softmax_lse=False):
+    """Slices every sequence to its rows and calls the CPU flash op on them: zero rows kill the process (SIGFPE)."""
+    rows = int(cache_seqlens[0])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k_cache[:, :rows].transpose(1, 2), v_cache[:, :rows].transpose(1, 2), 0.0, False)[:2]
+    return (out.transpose(1, 2), lse) if return_softmax_lse else out.transpose(1, 2)
+
+
+def test_a_kernel_that_dies_on_zero_keys_is_probed_in_a_child():
+    assert make_target(zero_key_flash_decode).behaviour()["lse-empty-row"] == "crashes (SIGFPE)"

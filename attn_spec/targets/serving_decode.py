@@ -13,7 +13,9 @@ n_keys_b - S_new + i, so decoding equals the last S_new rows of full causal atte
 (SDPA with ``causal_lower_right``, say) is wrapped in a function that has it (examples/serving_kernels.py).
 
 The header reports what the kernel does, probed on tiny inputs: the causal alignment, whether it writes the
-cache, and, where it returns an LSE, its base (e or 2).
+cache, and, where it returns an LSE, its base (e or 2) and the LSE of a row with no key to attend (-inf is
+neutral in a merge; flash-attn's +inf and the CPU flash op's 0 are not). That last probe runs in a forked child
+(attn_spec.targets.forked): a kernel may die on zero keys.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import Unsupported
 from attn_spec.targets.base import Target, _call, parameter_names
+from attn_spec.targets.forked import in_child
 from attn_spec.vocabulary import Traits
 
 F64 = torch.float64
@@ -123,7 +126,7 @@ class DecodeTarget(Target):
     def notes(self):
         found = self.behaviour()
         return [f"decode: causal alignment {found['causal-alignment']}, writes the cache: {found['writes-cache']}, "
-                f"LSE: {found['lse-base']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
+                f"LSE: {found['lse-base']}, LSE of an empty row: {found['lse-empty-row']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
                 f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}"]
 
 
@@ -171,4 +174,19 @@ def lse_base(target) -> str:
     return {round(math.log(3), 6): "e", round(math.log2(3), 6): "2"}.get(round(value, 6), f"other ({value:.4g})")
 
 
-PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base}
+def lse_empty_row(target) -> str:
+    """cache_seqlens = 0 and nothing appended: no key to attend. Its LSE is -inf (the empty state of a merge), or
+    a value that is not neutral when merged (+inf, 0); the call runs in a forked child (it may crash)."""
+    if "return_softmax_lse" not in target.accepts:
+        return "not returned"
+    q, k_cache, v_cache, _ = _tiny()
+
+    def call():
+        _, lse = target.decode(q, k_cache, v_cache, torch.tensor([0], dtype=torch.int32), causal=True, lse=True)
+        value = lse.to(F64).flatten()[0].item()
+        return "-inf" if value == -math.inf else f"{value:g} (not neutral in a merge: the empty state's LSE is -inf)"
+    return in_child(call)
+
+
+PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base,
+          "lse-empty-row": lse_empty_row}
