@@ -74,3 +74,6 @@ def merge_lse_is_max(v_a, s_a, v_b, s_b):
     safe = torch.where(torch.isneginf(s), 0.0, s)
     w_a, w_b = torch.exp(s_a - safe)[..., None], torch.exp(s_b - safe)[..., None]
     return (w_a * v_a + w_b * v_b).to(v_a.dtype), torch.maximum(s_a, s_b)
+
+
+correct("decode", name="cpu_flash_op_decode")(load_target(f"{KERNELS}:flash_cpu_decode"))
