@@ -202,8 +202,9 @@ def test_the_sample_project_gates_under_pytest_from_pyproject_alone(sample):
     assert "attn-spec target: mypkg.attention:attention (function convention)" in tests.stdout
     assert "attn-spec target: mypkg.attention:MultiHeadAttention (module convention)" in tests.stdout
     assert "profile quick, --attn-seed=2026" in tests.stdout
-    # each property an attention is checked on (the mods' own are left out, as the CLI leaves them out), and
-    # the two require items
-    per_target = sum(not set(p.conventions) <= set(MOD_CONVENTIONS) for p in attn_spec.properties.REGISTRY.values()) + 2
+    # each property an attention is checked on (the mods' and serving kernels' own are left out, as the CLI leaves
+    # them out), and the two require items
+    per_target = sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS))
+                     for p in attn_spec.properties.REGISTRY.values()) + 2
     outcomes = re.search(r"(\d+) passed, (\d+) skipped", tests.stdout)
     assert outcomes and int(outcomes[1]) + int(outcomes[2]) == 2 * per_target, tests.stdout[-2000:]

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from attn_spec import properties
-from attn_spec.targets.conventions import MOD_CONVENTIONS
+from attn_spec.targets.conventions import ATTENTION_CONVENTIONS
 
 pytest_plugins = ["pytester"]
 
@@ -55,8 +55,8 @@ def test_correct_target_passes_with_one_item_per_property(attn_files):
                                              "--attn-seed", "7", "-v", "-rs")
     outcomes = result.parseoutcomes()
     assert result.ret == 0
-    # the properties `attn-spec check` reports on an attention: the FlexAttention mods' own are left out, not skipped
-    attention = [pid for pid, p in properties.REGISTRY.items() if not set(p.conventions) <= set(MOD_CONVENTIONS)]
+    # the properties `attn-spec check` reports on an attention: the mods' and serving kernels' own are left out, not skipped
+    attention = [pid for pid, p in properties.REGISTRY.items() if set(p.conventions) & set(ATTENTION_CONVENTIONS)]
     assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(attention) < len(properties.REGISTRY)
     result.stdout.fnmatch_lines([
         "attn-spec *: profile quick, --attn-seed=7, torch *, devices cpu*",

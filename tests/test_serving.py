@@ -11,6 +11,7 @@ import torch
 import attn_spec
 from attn_spec import reference
 from attn_spec.cli import main
+from attn_spec.errors import KitUsageError
 from attn_spec.targets.conventions import make_target
 from attn_spec.targets.loading import load_target
 from attn_spec.targets.serving_decode import decode_reference
@@ -71,6 +72,15 @@ def test_a_decode_kernel_gets_only_the_decode_properties():
     report = attn_spec.check(load_target(f"{KERNELS}:decode_kernel"), profile="quick", seed=0,
                              only=["decode-equals-full-causal", "rows-sum-to-one"])
     assert [p.id for p in report.targets[0].properties] == ["decode-equals-full-causal"]
+
+
+@pytest.mark.parametrize("convention, kernel, shown", [
+    ("decode", lambda q, k_cache: q, "(q, k_cache)"), ("merge", lambda v_a, s_a, v_b: v_a, "(v_a, s_a, v_b)")])
+def test_a_serving_kernel_whose_signature_cannot_take_the_call_is_a_usage_error(convention, kernel, shown):
+    """Checked before anything runs (targets.call_shapes), as for the attention conventions."""
+    with pytest.raises(KitUsageError, match=f"cannot follow the {convention} convention") as raised:
+        make_target(kernel, "kernel", convention=convention)
+    assert shown in str(raised.value)
 
 
 GPU = torch.cuda.is_available()

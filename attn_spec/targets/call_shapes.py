@@ -1,7 +1,7 @@
 """Whether a target's signature can take the calls its convention makes, before anything runs.
 
 A convention is a promise about how the kit calls the target: ``function`` calls ``attention(Q, K, V)``,
-``mask-mod`` calls ``mask_mod(b, h, q_idx, kv_idx)``, ``module`` builds ``Cls(d_model, n_heads)``. A target
+``mask-mod`` calls ``mask_mod(b, h, q_idx, kv_idx)``, ``decode`` calls ``fn(q, k_cache, v_cache, ...)``, ``module`` builds ``Cls(d_model, n_heads)``. A target
 forced into a convention whose call its signature cannot bind (``--convention function`` on a function of two
 parameters) would raise a TypeError on every property, rooted in the kit's own frame; that is the caller's
 mistake, so it is a usage error here, with the signature and the call side by side.
@@ -24,6 +24,8 @@ CALLS = {
     "hf": ("fn(module, query, key, value, attention_mask, dropout=0.0, scaling=...)", 5, ("dropout", "scaling")),
     "mask-mod": ("mask_mod(b, h, q_idx, kv_idx)", 4, ()),
     "score-mod": ("score_mod(score, b, h, q_idx, kv_idx)", 5, ()),
+    "decode": ("fn(q, k_cache, v_cache, ...), the rest by name (cache_seqlens=, k=, v=, causal=, ...)", 3, ()),
+    "merge": ("merge_state(v_a, s_a, v_b, s_b)", 4, ()),
 }
 BUILD = "Cls(d_model, n_heads)"
 FORWARD = "module(x_q, x_kv), and module(x_q, x_kv, mask) with a mask"
