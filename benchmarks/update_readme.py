@@ -27,6 +27,9 @@ from attn_spec.targets.conventions import ATTENTION_CONVENTIONS
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results.md"
+# "NAME (CONV convention): DOES NOT CONFORM (N of M properties fail)", or the count alone (M: checked_on(CONV))
+VERDICT = re.compile(r"(?P<head>\((?P<convention>[a-z-]+) convention\): DOES NOT CONFORM \()?(?P<failed>\d+) of \d+"
+                     r"(?P<space>\s+)properties fail")
 REGION = re.compile(r"<!-- generated:(?P<name>[^>]+?) -->(?P<text>.*?)<!-- /generated -->", re.S)
 
 
@@ -42,6 +45,14 @@ def attention_properties() -> int:
     """The properties a check reports on an attention target (the FlexAttention mods' and serving kernels' own
     left out: runner.applicable)."""
     return sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in REGISTRY.values())
+
+
+def checked_on(convention: str | None) -> int:
+    """The properties a check reports on a target of ``convention`` (runner.applicable): an attention's (also
+    where the verdict names no convention), or only those naming a mod's or serving kernel's convention."""
+    if convention is None or convention in ATTENTION_CONVENTIONS:
+        return attention_properties()
+    return sum(convention in p.conventions for p in REGISTRY.values())
 
 
 def _gallery():
@@ -100,7 +111,8 @@ def render(text: str) -> str:
     text = REGION.sub(lambda m: f"<!-- generated:{m['name']} -->{value(m['name'], found, saved)}<!-- /generated -->",
                       text)
     n = found["attention-properties"]
-    text = re.sub(r"(\d+) of \d+(\s+)properties fail", rf"\1 of {n}\2properties fail", text)
+    text = re.sub(VERDICT, lambda m: f"{m['head'] or ''}{m['failed']} of {checked_on(m['convention'])}{m['space']}"
+                                     f"properties fail", text)
     return re.sub(r"`\d+ not run: stopped at the", f"`{n - 1} not run: stopped at the", text)
 
 

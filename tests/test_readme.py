@@ -40,9 +40,11 @@ def test_readmes_generated_figures_are_current():
     assert {"bench-table", "bench-measured", "gallery-buggy", "gallery-correct",
             "bench:target calls to the first failure", "bench:self-test (python -m pytest)"} <= names, names
     assert update.render(README) == README, "README's generated parts are stale: python benchmarks/update_readme.py"
-    n = update.counts()["attention-properties"]
-    assert re.findall(r"\d+ of (\d+)\s+properties fail", README) and \
-        set(re.findall(r"\d+ of (\d+)\s+properties fail", README)) == {str(n)}
+    # each verdict counts the properties its target is checked on: an attention's, or a serving kernel's own
+    verdicts = [(m["convention"], m.group(0)) for m in update.VERDICT.finditer(README)]
+    assert verdicts and all(f" of {update.checked_on(convention)}" in text for convention, text in verdicts), verdicts
+    assert {update.checked_on(c) for c, _ in verdicts} >= {update.counts()["attention-properties"],
+                                                           update.checked_on("decode")}
     measured, table, figures = update.bench()
     assert measured.startswith("measured 20") and len(figures) > 20 and f"\n{table}\n" in README
 
