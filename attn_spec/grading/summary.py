@@ -122,11 +122,9 @@ def summary_html(view: dict) -> str:
            f"<h1>Class summary</h1><p>{view['submissions']} submissions · profile {e(view['profile'])} · "
            f"seed {view['seed']}</p>"]
     if view["mistakes"]:
-        out.append("<h2>The class's mistakes</h2><table><tr><th>mistake</th><th>convention</th><th>students</th>"
-                   "<th>fix</th><th>lesson</th></tr>")
-        out += [f"<tr><td>{e(m['mistake'])}</td><td>{e(m['convention'])}</td><td>{len(m['students'])}</td>"
-                f"<td>{e(m['fix'])}</td><td><code>{e(m['lesson'])}</code></td></tr>" for m in view["mistakes"]]
-        out.append("</table>")
+        out.append(_html_table("The class's mistakes", ("mistake", "convention", "students", "fix", "lesson"),
+                               [(e(m["mistake"]), e(m["convention"]), len(m["students"]), e(m["fix"]),
+                                 f"<code>{e(m['lesson'])}</code>") for m in view["mistakes"]]))
     if view["mistakes"] and view["submissions"] >= HEATMAP_MIN:
         columns = [m["mistake"] for m in view["mistakes"]]
         out.append("<h2>Who made which mistake</h2><table><tr><th>student</th>"
@@ -136,9 +134,14 @@ def summary_html(view: dict) -> str:
             out.append(f"<tr><td>{e(st['name'])}</td>{cells}</tr>")
         out.append("</table>")
     if view["unexplained"]:
-        out.append("<h2>Failures no mistake explains</h2><table><tr><th>property</th><th>convention</th>"
-                   "<th>failed by</th><th>most common cause</th></tr>")
-        out += [f"<tr><td>{e(u['property'])}</td><td>{e(u['convention'])}</td><td>{len(u['students'])} of {u['of']}</td>"
-                f"<td>{e(u['cause'][:300])}</td></tr>" for u in view["unexplained"]]
-        out.append("</table>")
+        out.append(_html_table("Failures no mistake explains", ("property", "convention", "failed by", "most common cause"),
+                               [(e(u["property"]), e(u["convention"]), f"{len(u['students'])} of {u['of']}",
+                                 e(u["cause"][:300])) for u in view["unexplained"]]))
     return "\n".join(out) + "\n"
+
+
+def _html_table(title: str, headers, rows) -> str:
+    """A titled HTML table; the cells are already escaped."""
+    head = "".join(f"<th>{h}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<h2>{title}</h2><table><tr>{head}</tr>{body}</table>"
