@@ -23,7 +23,7 @@ from attn_spec.grading.isolation.remote import RemoteTarget, Stopped, Zygote
 from attn_spec.grading.rubric import CONVENTIONS, Rubric
 from attn_spec.grading.submissions import Submission, prepare, remove, sandbox_ids
 from attn_spec.targets.module_adapters import SeedAdapter
-from attn_spec.checking.runner import run_property
+from attn_spec.checking.runner import lost, run_property
 from attn_spec.grading.roots import diagnose_rows
 from attn_spec.properties import select
 from attn_spec.checking.tolerance import naive_multihead, seed_attention
@@ -300,6 +300,12 @@ def calibrate(props, rubric: Rubric) -> dict[tuple[str, str], str]:
     return found
 
 
+def _platform_only(row) -> bool:
+    """A property that lost every case to a platform defect (the kit's own plain formula fails on the same
+    inputs: checking.platform) was not checked, through no doing of the student's: never charged."""
+    return row.status == "skip" and bool(row.platform) and row.message == f"not checked: {lost(row)}"
+
+
 def _note_calls(grade: Grade, child) -> None:
     """The forbidden calls the child has reported so far (``child.forbidden``, read from its pipe, where it
     cannot erase them), each once."""
@@ -324,11 +330,11 @@ def _score(grade: Grade, rubric: Rubric) -> None:
     """Points for passed properties, and for failures a checked root explains as its symptom (unless the
     rubric charges those): so one bug costs its root's points once. Everything else earns nothing
     (fail closed), a vacuous failure included. max_score is every counted row's points, pass or fail,
-    so it is the same for every student (n/a rows are n/a for everyone); a bonus convention's rows add
-    to the score only. The forbidden penalty scales the total."""
+    so it is the same for every student (n/a rows are n/a for everyone); a property the platform kept
+    from being checked costs nothing; a bonus convention's rows add to the score only. The forbidden penalty scales the total."""
     for row in grade.properties:
         symptom = row.status == "fail" and row.explained_by and row.blocked_by and not rubric.charge_blocked
-        row.points = row.max_points if row.status == "pass" or symptom else 0.0
+        row.points = row.max_points if row.status == "pass" or symptom or _platform_only(row) else 0.0
         if row.status == "n/a":
             row.max_points, row.counts = 0.0, "no"
         else:
