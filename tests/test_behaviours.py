@@ -194,3 +194,17 @@ def test_cli_require_usage_errors(target_file, capsys, item, problem):
     err = capsys.readouterr().err
     assert problem in err
     assert "fully-masked=nan|zeros|uniform" in err and "mask-polarity=true-attends|true-ignores" in err
+
+
+def test_explain_behaviours_says_what_every_probed_value_means(capsys):
+    """The header's behaviours line is read as a list of mask bugs unless each value is explained (issue 23)."""
+    from attn_spec.targets.behaviours import MEANINGS, PROBES
+
+    assert set(MEANINGS) == set(VALUES) >= set(PROBES)
+    for key, values in VALUES.items():
+        assert set(values) <= set(MEANINGS[key][1]), key
+    assert main(["explain", "behaviours"]) == 0
+    shown = capsys.readouterr().out
+    assert "never a failure" in shown and "--require KEY=VALUE" in shown
+    for key, (question, values) in MEANINGS.items():
+        assert f"{key}: {question}" in shown and all(meaning in shown for meaning in values.values())

@@ -11,8 +11,8 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("explain", help="explain one property or mistake: math, why, bugs, a worked example",
                                  description="Explain one property of the catalog (ids: attn-spec list) or one "
                                              "mistake model (ids: attn-spec list --mistakes).")
-    parser.add_argument("id", metavar="ID", help="a property id, e.g. scale-sqrt-dk, or a mistake id, e.g. "
-                                                 "scale-one-over-dk")
+    parser.add_argument("id", metavar="ID", help="a property id, e.g. scale-sqrt-dk, a mistake id, e.g. "
+                                                 "scale-one-over-dk, or 'behaviours' (the header's behaviours line)")
     parser.add_argument("--format", choices=("text", "markdown"), default="text",
                         help="text (unicode math) or markdown (LaTeX math)")
 
@@ -24,6 +24,11 @@ def run(args) -> int:
     from attn_spec.lessons import render, render_mistake
     from attn_spec.settings import did_you_mean
 
+    if args.id == "behaviours":
+        from attn_spec.targets.behaviours import explain
+
+        sys.stdout.write(explain())
+        return EXIT_OK
     if args.id in MISTAKES:
         sys.stdout.write(render_mistake(args.id, args.format))
         return EXIT_OK

@@ -128,7 +128,7 @@ def header_lines(t: TargetReport) -> list[str]:
     if t.behaviours:
         lines.append("behaviours: " + ", ".join(f"{key}={value}" for key, value in t.behaviours.items())
                      + " (what the target does where conventions differ, probed on tiny inputs: a description, "
-                       "never a failure)")
+                       "never a failure; attn-spec explain behaviours)")
     if t.capabilities:
         has = [f"max length {value}" if name == "length" else name if value == "yes" else f"{name} ({value})"
                for name, value in t.capabilities.items() if value not in ("no", "raises", "error", "n/a", "unchecked")

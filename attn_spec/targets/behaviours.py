@@ -37,6 +37,46 @@ VALUES = {  # the values a user may require; a probe may also report "other" or 
     "gqa-grouping": ("blocked", "tile"),
 }
 
+MEANINGS = {  # key -> (the question a probe answers, {value: what it means}); ``attn-spec explain behaviours``
+    "fully-masked": ("what a query that may attend no key yields", {
+        "nan": "NaN (softmax of a row of -inf: the seed's formula, plain PyTorch)",
+        "zeros": "a zero output (flash-attn, SDPA's fused kernels, most serving kernels)",
+        "uniform": "the mean of V (the row was masked with a large negative number, not -inf)"}),
+    "mask-polarity": ("what True means in a boolean mask", {
+        "true-attends": "True = may attend (the seed, SDPA)",
+        "true-ignores": "True = masked out (nn.MultiheadAttention's key_padding_mask and attn_mask)"}),
+    "masked-nan": ("whether NaN in K and V at masked positions reaches the output", {
+        "ignored": "masked keys and values are never read into the output",
+        "propagates": "0 * NaN = NaN: the weights are zero but the matmul still reads the values"}),
+    "causal-alignment": ("what is_causal=True means when there are more keys than queries", {
+        "top-left": "query i sees keys 0..i (SDPA's is_causal, flash-attn < 2.1)",
+        "bottom-right": "query i sees keys up to n_kv - n_q + i, the last query sees every key (flash-attn >= "
+                        "2.1, decoding with a KV cache)",
+        "n/a": "the caller's mask carries causality (function, module)"}),
+    "weights-returned": ("whether the target's own API returns the weights beside the output", {
+        "yes": "it returns (output, weights), as nn.MultiheadAttention does; the kit reads the output",
+        "no": "it returns the output alone"}),
+    "gqa-grouping": ("which KV head query head h reads when there are g times fewer KV heads", {
+        "blocked": "head h // g (repeat_interleave, SDPA's enable_gqa, Llama, Hugging Face's repeat_kv)",
+        "tile": "head h % H_kv (einops repeat(k, 'b h n d -> b (g h) n d'))",
+        "n/a": "the target has no grouped-query form"}),
+}
+ANSWERS = {"other": "none of the above: the output was unusable or something else",
+           "raises": "the probe's call raised", "n/a": "the target does not take what the probe needs"}
+
+
+def explain() -> str:
+    """Every behaviour key, its question and what each value means (``attn-spec explain behaviours``)."""
+    lines = ["Behaviours: what a target does where correct attentions differ. Each is probed on tiny inputs",
+             "before a check and shown in the header; it is a description, never a failure. Require one with",
+             "`attn-spec check ... --require KEY=VALUE` when your code depends on it.", ""]
+    for key, (question, values) in MEANINGS.items():
+        lines.append(f"{key}: {question}")
+        generic = {} if key == "weights-returned" else ANSWERS  # read from the adapter, not probed
+        lines += [f"  {value:<13} {meaning}" for value, meaning in {**values, **generic, **values}.items()]
+        lines.append("")
+    return "\n".join(lines)
+
 
 def _inputs(dtype, device):
     """Two queries, three distinct keys, values with a nonzero mean."""
