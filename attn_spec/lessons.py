@@ -313,12 +313,21 @@ def _ex_merge() -> str:
                                                                               torch.logsumexp(scores, 0)]))])
 
 
+def _ex_dropout() -> str:
+    gen = torch.Generator().manual_seed(0)
+    kept = torch.rand(3, 4, generator=gen) >= 0.25  # [Tq=3, Tk=4]: p = 0.25
+    return "\n".join([_m("weights with q = k = 0 (4 keys)", torch.full((3, 4), 0.25, dtype=F64)),
+                       _m("one draw of dropout_p = 0.25: kept weights are 0.25 / (1 - 0.25) = 1/3",
+                          kept.to(F64) * (0.25 / 0.75))])
+
+
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
             "permutation": _ex_permutation, "scale": _ex_scale, "shapes": _ex_shapes, "shift": _ex_shift,
             "linearity": _ex_linearity, "stability": _ex_stability, "batch": _ex_batch, "dtype": _ex_dtype,
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
             "multihead": _ex_multihead, "window": _ex_window, "softcap": _ex_softcap, "mask-mod": _ex_mask_mod,
-            "score-mod": _ex_score_mod, "decode": _ex_decode, "merge": _ex_merge}
+            "score-mod": _ex_score_mod, "decode": _ex_decode, "merge": _ex_merge,
+            "dropout": _ex_dropout}
 
 
 # Mistake models: ``attn-spec explain MISTAKE-ID`` (the catalog of attn_spec.diagnosis).
@@ -340,9 +349,12 @@ def mistake_sections(mistake_id: str) -> dict:
     if m.level == "stochastic":
         recognise = ("Randomness cannot be replayed, only recognised: the kit reads the weights of one input "
                      f"several times (V = identity) and {m.id} names what the differences look like.")
+    elif m.level == "dropout":
+        recognise = ("A dropped call cannot be replayed, only read: with q = k = 0 and V = [I | I] the output is the "
+                     f"dropped weights, twice; {m.id} names what that readout looks like. Shown at: {shown}.")
     if isinstance(m.params, dict):
         recognise += " Its number is fitted to the failing call, then checked on every other call."
-    elif m.params and m.level != "stochastic":
+    elif m.params and not m.recognised:
         tried = ", ".join(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items())
                           for p in m.params)
         recognise += f" Settings tried: {tried}."
@@ -403,7 +415,7 @@ def example_call(m):
 
 def _mistake_example(m) -> str:
     """The model next to the correct formula on the first example that tells them apart."""
-    if m.level == "stochastic":
+    if m.recognised:
         return ""
     call, lines, good, bad = example_call(m)
     lines = list(lines)

@@ -61,7 +61,7 @@ def probe(obj, **kwargs):
 def test_a_plain_function_has_all_but_the_sdpa_arguments_and_gqa():
     values, lacks = probe(seed_attention, dtypes=["float32", "float64", "float16", "bfloat16"])
     assert list(values) == list(CAPABILITIES)
-    assert [name for name, value in values.items() if value != "yes"] == ["scale", "is-causal", "gqa"]
+    assert [name for name, value in values.items() if value != "yes"] == ["scale", "is-causal", "dropout", "gqa"]
     assert "takes no scale argument" in lacks["scale"]
     assert "RuntimeError" in lacks["gqa"]  # heads that do not broadcast: no grouped-query attention
 
@@ -82,7 +82,7 @@ def test_sdpa_has_every_capability():
 def test_each_missing_capability_is_found_with_its_reason(fn, name, value, reason):
     values, lacks = probe(fn)
     assert values[name] == value and reason in lacks[name]
-    missing = {"scale", "is-causal", "gqa", name} | ({"float64", "bfloat16"} if fn is float32_only else set())
+    missing = {"scale", "is-causal", "dropout", "gqa", name} | ({"float64", "bfloat16"} if fn is float32_only else set())
     assert {n for n, v in values.items() if v != "yes"} == missing  # nothing else is missing
 
 

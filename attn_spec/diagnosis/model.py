@@ -10,6 +10,8 @@ actually called with. Its function is the wrong code itself, written plainly:
 - ``level="backward"``: ``fn(q, k, v, mask, G) -> (out, dQ, dK, dV)`` for a wrong backward pass.
 - ``level="stochastic"``: ``fn(samples, weights) -> params or None`` judges repeated weight
   readings of the same input (randomness cannot be replayed, only recognised).
+- ``level="dropout"``: ``fn(reading) -> params or None`` judges a dropout readout
+  (attn_spec.diagnosis.mistakes_dropout).
 
 By default a model gets float64 copies of the inputs (its own rounding is then negligible);
 ``exact=True`` gives it the inputs in their own dtype, for mistakes whose rounding, overflow or
@@ -28,7 +30,8 @@ import torch
 
 F64 = torch.float64
 NEG_INF = float("-inf")
-LEVELS = ("attend", "module", "backward", "stochastic")
+LEVELS = ("attend", "module", "backward", "stochastic", "dropout")
+RECOGNISED = ("stochastic", "dropout")  # levels whose randomness is recognised from readings, never replayed
 
 MISTAKES: dict[str, "Mistake"] = {}
 
@@ -52,6 +55,11 @@ class Mistake:
     stateful: bool = False  # receives ``state``, a dict kept across the calls of one replay
     options: bool = False  # receives ``window`` and ``softcap`` itself (otherwise the window is folded into the
     #                        mask and the cap applied by ``scores``, as the correct formula does)
+
+    @property
+    def recognised(self) -> bool:
+        """Recognised from readings of random outputs, not replayed on recorded calls."""
+        return self.level in RECOGNISED
 
     @property
     def code(self) -> str:

@@ -65,7 +65,7 @@ def _agrees(mistake, params, ev: replay.Evidence) -> bool:
     """Does ``mistake`` predict the target's outputs on these passing calls? Only finite entries are compared:
     where either side is NaN or inf (a row the mask emptied, a convention's free rows), a passing property
     has already judged the target, and the model's own convention there may differ."""
-    if mistake.level == "stochastic" or mistake.options or mistake.arguments or mistake.grouped:
+    if mistake.recognised or mistake.options or mistake.arguments or mistake.grouped:
         return True  # models of an argument (is_causal, scale, a window, a softcap, GQA) the passing calls lack
     state = {}
     for i, call in enumerate(ev.calls):

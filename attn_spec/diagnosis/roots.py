@@ -170,7 +170,13 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         roots.insert(0, root)
         take(nonfinite)
 
-    # 3. randomness: the same input, different outputs
+    # 3. dropout: a dropped call is read out, not replayed (attn_spec.diagnosis.mistakes_dropout)
+    dropped = [p for p in left if p in DROPOUT_PROPERTIES]
+    if dropped and target is not None:
+        roots.append(_dropout_root(target, dropped, order, mistakes))
+        take(dropped)
+
+    # 3b. randomness: the same input, different outputs
     random = [p for p in left if evidences[p].nondeterministic or (p == "determinism" and not evidences[p].fits)]
     if random:
         judged = judge_randomness(target, mistakes) if target is not None else None
@@ -219,6 +225,25 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         roots.append(_unexplained(p, ev))
     take(left[:])
     return _merged(roots, order, mistakes)
+
+
+DROPOUT_PROPERTIES = ("dropout-mask", "dropout-mean")
+
+
+def _dropout_root(target, pids: list[str], order: list[str], mistakes) -> Diagnosis:
+    """The dropout model that recognises the target's readout at p = 0.1 (causal through a mask, or is_causal)."""
+    from attn_spec.diagnosis.mistakes_dropout import judge
+
+    found, numbers = judge(target, [m for m in mistakes if m.level == "dropout"])
+    pids = sorted(pids, key=order.index)
+    if found is None:
+        return Diagnosis(pids[0], None, "the dropout readout shows no catalogued dropout mistake", "", pids,
+                         f"measured on the readout (q = k = 0, V = [I | I], dropout_p = 0.1): {numbers}", measured=True)
+    m, params = found
+    shown = next((p for p in m.caught_by if p in pids), pids[0])
+    return Diagnosis(shown, m.id, m.describe(params), m.fix_for(params), pids,
+                     f"the readout (q = k = 0, V = [I | I], dropout_p = 0.1) matches {m.id}: {numbers}", params=params,
+                     measured=True)
 
 
 def generic(d: Diagnosis) -> bool:
@@ -303,7 +328,7 @@ def _merged(roots: list[Diagnosis], order: list[str], mistakes) -> list[Diagnosi
 
 def _is_stateful(mistake_id, mistakes) -> bool:
     m = next((m for m in mistakes if m.id == mistake_id), None)
-    return m is not None and (m.stateful or m.level == "stochastic")
+    return m is not None and (m.stateful or m.recognised)
 
 
 def _unexplained(pid: str, ev: FailureEvidence) -> Diagnosis:

@@ -90,7 +90,7 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     return out
 
 
-OPTIONS = {"window": "sliding window", "softcap": "softcap"}  # attend()'s options, in words
+OPTIONS = {"window": "sliding window", "softcap": "softcap", "dropout": "dropout"}  # attend()'s options, in words
 
 
 def __getattr__(name: str):
@@ -177,11 +177,14 @@ class Target:
             return thunk()
         return self.recorder.observe(kind, inputs, thunk, label=label, state_key=state_key)
 
-    def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False, window=None, softcap=None) -> torch.Tensor:
+    def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False, window=None, softcap=None,
+               dropout=None) -> torch.Tensor:
         """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported); so do
-        ``window`` (w keys: query i sees keys i - w < j <= i) and ``softcap`` (cap * tanh(scores / cap))."""
+        ``window`` (w keys: query i sees keys i - w < j <= i), ``softcap`` (cap * tanh(scores / cap)) and
+        ``dropout`` (the probability p of dropping each weight; the kit passes 0 otherwise)."""
         mask = self._mask_for_call(mask, q.dtype)
-        options = {key: value for key, value in (("window", window), ("softcap", softcap)) if value is not None}
+        options = {key: value for key, value in (("window", window), ("softcap", softcap), ("dropout", dropout))
+                   if value is not None}
         for key in options:
             why = self.lacks_option(key)
             if why:
@@ -196,7 +199,7 @@ class Target:
         return () if self.gqa_contract else ("gqa",)
 
     def lacks_option(self, key: str) -> str | None:
-        """Why this target cannot take attend()'s option ``key`` ("window", "softcap"); None if it can."""
+        """Why this target cannot take attend()'s option ``key`` ("window", "softcap", "dropout"); None if it can."""
         if self.traits is not None and key in self.traits.options:
             return None
         return f"the {self.convention} convention takes no {OPTIONS[key]} argument"

@@ -20,6 +20,8 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``dv-ne-dk``    values wider than keys: V [2, 3]
 ``scale``       an explicit ``scale`` argument (the sdpa convention)
 ``is-causal``   an ``is_causal`` argument (the sdpa convention)
+``dropout``     a ``dropout_p`` argument that drops weights: p = 0.5 on Q, K, V [8, 2] changes the output
+                (``no`` when the argument is missing, or accepted and ignored)
 ``autograd``    gradients flow from the output to Q, K and V
 ``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
                 raising = lacking it, except where GQA is part of the contract (flex,
@@ -51,7 +53,7 @@ from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRa
 from attn_spec.reference import causal_mask
 from attn_spec.targets.base import conventions
 
-CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "autograd", "gqa",
+CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "dropout", "autograd", "gqa",
                 "length", "float64", "float16", "bfloat16")
 LENGTH_CEILING = 2048  # every length the profiles draw (long-sequences at thorough: 2048 keys); no more, since a
 # float64 target holds [n, n] scores at it (32 MiB at 2048, within a graded submission's memory)
@@ -69,6 +71,7 @@ class Supports:
     cross: bool = True  # n_q != n_kv
     batch: bool = True  # leading batch/head dims
     dv_ne_dk: bool = True  # d_v != d_k
+    dropout: bool = False  # a dropout_p argument that drops weights (the dropout properties; else they are skips)
     dtypes: tuple[str, ...] = tuple(DTYPES)
     max_length: int | None = None  # the longest sequence it takes (None: no limit up to LENGTH_CEILING)
     why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
@@ -143,6 +146,22 @@ def _probes(target, dtype, device, masked: bool):
     return probes
 
 
+def _dropout(target, dtype, device, masked: bool) -> tuple[str, str]:
+    """("yes", "") when dropout_p = 0.5 changes the output of 64 weights (all kept: probability 2^-64); else
+    ("no", why): the target takes no dropout argument, or takes it and drops nothing."""
+    q, k, v = (_t(8, 2, dtype=dtype, device=device, seed=s) for s in range(3))  # [T=8, D=2] each
+    mask = causal_mask(8, 8, device=device) if masked else None
+    value, why = _outcome(lambda: target.attend(q, k, v, mask, dropout=0.5))
+    if value != "yes":
+        return value, why
+    with torch.random.fork_rng(devices=[]):  # the probe leaves the caller's random stream as it was
+        torch.manual_seed(0)
+        dropped = target.attend(q, k, v, mask, dropout=0.5)
+    if torch.equal(dropped, target.attend(q, k, v, mask)):
+        return "no", f"{target.name} accepts dropout_p but p = 0.5 changes nothing (an inference kernel's signature?)"
+    return "yes", ""
+
+
 def _shape_crash(exc: TargetRaised) -> bool:
     """A crash at a shape check: an index or assertion error, or torch's size mismatch (a fixed buffer)."""
     return isinstance(exc.exc, (IndexError, AssertionError, ValueError)) or (
@@ -201,6 +220,7 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
             found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")
+    found["dropout"] = _dropout(target, base, device, masked)
     found["length"] = _max_length(target, base, device, masked)
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
@@ -216,10 +236,11 @@ def _supports(values: dict, reasons: dict) -> Supports:
                                            ("random", values["mask"] not in ("no", "causal-only", "key-padding")),
                                            ("causal", "mask" not in declined and not key_padding),
                                            ("padding", key_padding)) if takes)
-    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk", "length") if name in reasons
+    why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk", "length", "dropout")
+           if name in reasons
            and (name in declined or values[name] in ("causal-only", "key-padding"))}
     return Supports(masks=masks, cross="cross" not in declined, batch="batch" not in declined,
-                    dv_ne_dk="dv-ne-dk" not in declined,
+                    dv_ne_dk="dv-ne-dk" not in declined, dropout=values["dropout"] == "yes",
                     max_length=int(values["length"]) if values["length"].isdigit() else None,
                     dtypes=tuple(name for name in DTYPES if name not in declined), why=why)
 

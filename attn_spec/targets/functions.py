@@ -78,7 +78,7 @@ class FunctionTarget(LayoutTarget):
 
 # Each argument an sdpa-style target may take, by the names libraries give it (SDPA's first, then flash-attn's).
 SDPA_NAMES = {"attn_mask": ("attn_mask",), "is_causal": ("is_causal", "causal"), "scale": ("scale", "softmax_scale"),
-              "window": ("sliding_window", "window_size"), "softcap": ("softcap",)}
+              "window": ("sliding_window", "window_size"), "softcap": ("softcap",), "dropout": ("dropout_p",)}
 
 
 class SdpaTarget(LayoutTarget):
@@ -87,7 +87,7 @@ class SdpaTarget(LayoutTarget):
 
     traits = Traits("sdpa", "fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)",
                     trained=False, masks=MASK_FORMS,  # attn_mask is bool or additive float in SDPA's contract
-                    options=("scale", "is-causal", "window", "softcap"), layout="bhsd or bshd (probed)",
+                    options=("scale", "is-causal", "window", "softcap", "dropout"), layout="bhsd or bshd (probed)",
                     keywords=("layout",), detect_rank=80)
 
     @staticmethod
@@ -109,7 +109,7 @@ class SdpaTarget(LayoutTarget):
     def lacks_option(self, key):
         return None if self.names[key] else f"{self.name} takes no {' or '.join(SDPA_NAMES[key])} argument"
 
-    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False, window=None, softcap=None):
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False, window=None, softcap=None, dropout=None):
         is_causal = is_causal or window is not None  # a window of w keys is causal
         kwargs = {}
         for key, value, default in (("attn_mask", mask, None), ("is_causal", is_causal, False), ("scale", scale, None)):
@@ -122,7 +122,7 @@ class SdpaTarget(LayoutTarget):
         if softcap is not None:
             kwargs["softcap"] = softcap
         if "dropout_p" in self.accepts:
-            kwargs["dropout_p"] = 0.0
+            kwargs["dropout_p"] = dropout or 0.0
         if "enable_gqa" in self.accepts and _grouped(q, k):
             kwargs["enable_gqa"] = True
         self.calls += 1
@@ -133,6 +133,7 @@ class SdpaTarget(LayoutTarget):
             if mask is not None:
                 kwargs[mask_name] = mask
             return _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call, self.state)
-        return self._run(fn, q, k, v, mask, call, scale=scale, is_causal=is_causal, window=window, softcap=softcap)
+        return self._run(fn, q, k, v, mask, call, scale=scale, is_causal=is_causal, window=window, softcap=softcap,
+                         dropout=dropout)
 
 

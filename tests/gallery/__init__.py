@@ -76,4 +76,4 @@ def library(convention: str = "function", name: str | None = None):
     return register
 
 
-from gallery import contracts, core, ecosystem, libraries, masking, robustness, serving, trivial_targets  # noqa: E402,F401  - registers the entries
+from gallery import contracts, core, dropout, ecosystem, libraries, masking, robustness, serving, trivial_targets  # noqa: E402,F401  - registers the entries
