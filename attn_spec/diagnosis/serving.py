@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 
-from attn_spec.diagnosis.roots import Diagnosis
 import math
 
-from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.diagnosis.roots import Diagnosis
+from attn_spec.targets.serving_decode import decode_reference, gather_pages, scatter_pages
 from attn_spec.targets.serving_merge import merge_reference
 
 SERVING_MISTAKES: dict[str, "ServingMistake"] = {}
@@ -33,11 +33,23 @@ class ServingMistake:
     sentence: str
     fix: str
     caught_by: tuple[str, ...]
+    paged: bool = False  # a decode model of paged caches itself (attn_spec.diagnosis.serving_paged)
+
+    def apply(self, c) -> dict:
+        """The wrong kernel's outputs on the recorded call ``c``. A model of contiguous caches replays a paged call on
+        the cache its block table stands for (gathered in the table's order), the pages written back after."""
+        table = c.get("block_table")
+        if self.convention != "decode" or self.paged or table is None:
+            return self.fn(c)
+        pages = {name: c[name] for name in ("k_cache", "v_cache")}
+        got = self.fn({**c, "block_table": None, **{name: gather_pages(t, table) for name, t in pages.items()}})
+        return {**got, "k_after": scatter_pages(pages["k_cache"].to(torch.float64), got["k_after"], table),
+                "v_after": scatter_pages(pages["v_cache"].to(torch.float64), got["v_after"], table)}
 
 
-def serving_mistake(id: str, *, convention: str, sentence: str, fix: str, caught_by):
+def serving_mistake(id: str, *, convention: str, sentence: str, fix: str, caught_by, paged: bool = False):
     def register(fn):
-        SERVING_MISTAKES[id] = ServingMistake(id, convention, fn, sentence, fix, tuple(caught_by))
+        SERVING_MISTAKES[id] = ServingMistake(id, convention, fn, sentence, fix, tuple(caught_by), paged)
         return fn
     return register
 
@@ -48,7 +60,8 @@ def _decoded(out, lse, k_after, v_after) -> dict:
 
 def _correct_decode(c):
     return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
-                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"]))
+                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"],
+                                      block_table=c.get("block_table")))
 
 
 def _correct_merge(c):
@@ -130,8 +143,13 @@ def _same(got, model, dtype) -> bool:
 
 
 def reproduces(fn, call) -> bool:
-    """The model's outputs equal the recorded ones, each within a few units in the last place of its dtype."""
-    return all(_same(call[name], model, call[name].dtype) for name, model in fn(call).items())
+    """The model's outputs equal the recorded ones, each within a few units in the last place of its dtype (a model
+    that raises on the call, one past a block table say, does not reproduce it: the kernel returned)."""
+    try:
+        outputs = fn(call)
+    except (ValueError, IndexError):
+        return False
+    return all(_same(call[name], model, call[name].dtype) for name, model in outputs.items())
 
 
 def replay(target, prop, case) -> list[dict]:
@@ -157,7 +175,7 @@ def diagnose_serving(target, report, registry) -> None:
     if not all(calls.values()) or all(all(reproduces(correct, c) for c in kept) for kept in calls.values()):
         return  # nothing kept, or the correct kernel reproduces it all: not a mistake of these models
     fits = [m for m in SERVING_MISTAKES.values() if m.convention == target.convention
-            and all(reproduces(m.fn, c) for kept in calls.values() for c in kept)]
+            and all(reproduces(m.apply, c) for kept in calls.values() for c in kept)]
     if not fits:
         return
     m, order = fits[0], [r.id for r in report.properties]
@@ -185,3 +203,6 @@ def lesson(mistake_id: str) -> str:
             f"the kernel kept; {m.id} is named when it reproduces every kept call (outputs within a few units in the "
             f"last place, NaN where the kernel gave NaN, both caches afterwards) and the correct kernel does not. "
             f"Shown at: {', '.join(m.caught_by)}.\n")
+
+
+from attn_spec.diagnosis import serving_paged  # noqa: E402,F401 - registers the paged decode models, after these
