@@ -174,7 +174,8 @@ def diagnose_serving(target, report, registry) -> None:
     correct = CORRECT[target.convention]
     if not all(calls.values()) or all(all(reproduces(correct, c) for c in kept) for kept in calls.values()):
         return  # nothing kept, or the correct kernel reproduces it all: not a mistake of these models
-    fits = [m for m in SERVING_MISTAKES.values() if m.convention == target.convention
+    paged = "block_table" in getattr(target, "accepts", ())  # a kernel that takes no block table has no pages
+    fits = [m for m in SERVING_MISTAKES.values() if m.convention == target.convention and (paged or not m.paged)
             and all(reproduces(m.apply, c) for kept in calls.values() for c in kept)]
     if not fits:
         return

@@ -101,3 +101,20 @@ def block_table_overrun(c):
         outs.append(got["out"])
         k_pool, v_pool = got["k_after"], got["v_after"]
     return _decoded(torch.cat(outs), None, k_pool, v_pool)
+
+
+@serving_mistake("masked-slots-times-zero", convention="decode", paged=True,
+                 sentence="the scores are materialised over the whole pool, the slots outside each sequence given weight "
+                          "0, and every slot's value multiplied in: NaN or inf in a slot no sequence attends (a page's "
+                          "unfilled tail, a free page) gives NaN (0 * NaN = NaN); finite stale values give the right "
+                          "answer",
+                 fix="gather (or slice) the slots a sequence attends before the product with V, or skip the masked "
+                     "blocks (FlexAttention's compiled kernels skip whole blocks; its eager path multiplies them all)",
+                 caught_by=("paged-outside-invariance", "cache-outside-invariance"))
+def masked_slots_times_zero(c):
+    c = _as_paged(c)
+    right = _correct_decode(c)
+    values = right["v_after"]  # [num_blocks, page, H_kv, D]: the whole pool, appended rows included
+    group = c["q"].shape[2] // values.shape[2]
+    poison = 0 * values.sum((0, 1)).repeat_interleave(group, 0)  # [H, D]: NaN where any slot's value is NaN
+    return {**right, "out": right["out"] + poison}
