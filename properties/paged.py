@@ -70,6 +70,10 @@ def paged_case(case):
     return q, k_full, v_full, lengths, P, table.to(q.device), *pools
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _new_rows(full, seqlens, S):
     return full[torch.arange(len(seqlens))[:, None], (seqlens[:, None] + torch.arange(S)).long()]  # [B, S, H, D]
 
@@ -160,8 +164,8 @@ def paged_outside_invariance(target, case):
         end, pages = int(seqlens[b]) + S, math.ceil((int(seqlens[b]) + S) / P)
         fail(f"{poisoned[b, i, h].tolist()} instead of {clean[b, i, h].tolist()}",
              what=f"out[{b}, {i}, {h}] with NaN in the {int((~attended).sum())} pool slots no element attends "
-                  f"(element {b}: {end} rows in {pages} pages of {P}, the last page's tail {pages * P - end} rows, "
-                  f"{table.shape[1] - pages} listed pages past it)",
+                  f"(element {b}: {_n(end, 'row')} in {_n(pages, 'page')} of {P}, a tail of {_n(pages * P - end, 'row')} "
+                  f"in its last page, {_n(table.shape[1] - pages, 'more page')} in its table)",
              expected="the output of the same call with stale finite values there, bitwise",
              call=f"{target.name}(q, k_pages, v_pages, k, v, cache_seqlens, block_table, causal=True)",
              cause="the kernel reads pool slots it must not attend: only rows [0, cache_seqlens + S_new) of each "
