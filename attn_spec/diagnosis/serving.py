@@ -19,6 +19,7 @@ import torch
 import math
 
 from attn_spec.diagnosis.roots import Diagnosis
+from attn_spec.diagnosis.serving_paged import PAGED_MODELS
 from attn_spec.targets.serving_decode import decode_reference, gather_pages, scatter_pages
 from attn_spec.targets.serving_merge import merge_reference
 
@@ -131,6 +132,10 @@ def merge_lse_max(c):
     return {**merged, "s": torch.maximum(*(t.to(torch.float64) for t in c["inputs"][1::2]))}
 
 
+for _id, _fn, _words in PAGED_MODELS:  # the paged decode models, after the contiguous ones
+    serving_mistake(_id, convention="decode", paged=True, **_words)(_fn)
+
+
 def _same(got, model, dtype) -> bool:
     """``got`` (the target's) equals ``model`` (float64) within a few units in the last place of ``dtype``, NaN
     where the target has NaN."""
@@ -205,5 +210,3 @@ def lesson(mistake_id: str) -> str:
             f"last place, NaN where the kernel gave NaN, both caches afterwards) and the correct kernel does not. "
             f"Shown at: {', '.join(m.caught_by)}.\n")
 
-
-from attn_spec.diagnosis import serving_paged  # noqa: E402,F401 - registers the paged decode models, after these

@@ -1,6 +1,6 @@
-"""Mistake models of paged decode kernels (the decode convention with ``block_table``), registered with the serving
-models (attn_spec.diagnosis.serving) and found the same way: each is the correct float64 kernel with the bug put in,
-replayed on every call a failing property made.
+"""Mistake models of paged decode kernels (the decode convention with ``block_table``), registered by
+attn_spec.diagnosis.serving after its own and found the same way: each is the correct float64 kernel with the bug
+put in, replayed on every call a failing property made.
 
 Each model takes a recorded call, paged or not: a contiguous cache [B, S_c, H_kv, D] is read as a pool of B pages of
 S_c rows, element b's one page being page b (its block table [[0], [1], ...]), which is what a paged kernel called
@@ -10,8 +10,26 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec.diagnosis.serving import _correct_decode, _decoded, serving_mistake
 from attn_spec.targets.serving_decode import decode_reference
+
+PAGED_MODELS: list[tuple[str, object, dict]] = []  # (id, fn, sentence / fix / caught_by), in the order found
+
+
+def paged_mistake(id: str, **words):
+    def register(fn):
+        PAGED_MODELS.append((id, fn, words))
+        return fn
+    return register
+
+
+def _decoded(out, lse, k_after, v_after) -> dict:
+    return {"out": out, "k_after": k_after, "v_after": v_after}
+
+
+def _correct_decode(c):
+    return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
+                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"],
+                                      block_table=c.get("block_table")))
 
 
 def _as_paged(c) -> dict:
@@ -33,13 +51,13 @@ def _read(c, after, lengths, table) -> dict:
     return {**after, "out": out}
 
 
-@serving_mistake("page-tail-read", convention="decode", paged=True,
-                 sentence="the last page is read whole: the rows of its unfilled tail, past cache_seqlens + S_new, are "
-                          "attended as keys (PyTorch #159247)",
-                 fix="attend only rows [0, cache_seqlens + S_new) of each element: mask (or slice) the last page at the "
-                     "sequence's length, not at the page's end",
-                 caught_by=("paged-outside-invariance", "paged-equals-contiguous", "cache-outside-invariance",
-                            "decode-equals-full-causal"))
+@paged_mistake("page-tail-read",
+               sentence="the last page is read whole: the rows of its unfilled tail, past cache_seqlens + S_new, are "
+                        "attended as keys (PyTorch #159247)",
+               fix="attend only rows [0, cache_seqlens + S_new) of each element: mask (or slice) the last page at the "
+                   "sequence's length, not at the page's end",
+               caught_by=("paged-outside-invariance", "paged-equals-contiguous", "cache-outside-invariance",
+                          "decode-equals-full-causal"))
 def page_tail_read(c):
     c = _as_paged(c)
     P, table = c["k_cache"].shape[1], c["block_table"]
@@ -47,12 +65,12 @@ def page_tail_read(c):
     return _read(c, _correct_decode(c), whole, table)
 
 
-@serving_mistake("paged-physical-order", convention="decode", paged=True,
-                 sentence="each element's pages are read in the pool's (physical) order, not the block table's: the "
-                          "rows are right, their positions scrambled",
-                 fix="gather page block_table[b, j] for logical page j, in that order (a boolean mask over the pool "
-                     "returns pages sorted by their index: index with the table instead)",
-                 caught_by=("paged-equals-contiguous", "paged-outside-invariance"))
+@paged_mistake("paged-physical-order",
+               sentence="each element's pages are read in the pool's (physical) order, not the block table's: the "
+                        "rows are right, their positions scrambled",
+               fix="gather page block_table[b, j] for logical page j, in that order (a boolean mask over the pool "
+                   "returns pages sorted by their index: index with the table instead)",
+               caught_by=("paged-equals-contiguous", "paged-outside-invariance"))
 def paged_physical_order(c):
     c = _as_paged(c)
     P, table = c["k_cache"].shape[1], c["block_table"].clone()
@@ -62,11 +80,11 @@ def paged_physical_order(c):
     return _read(c, _correct_decode(c), _ends(c), table)
 
 
-@serving_mistake("paged-append-first-page", convention="decode", paged=True,
-                 sentence="every new row is written into the page of the first one, at offset (cache_seqlens + t) % "
-                          "page: an append that crosses a page boundary wraps around inside that page",
-                 fix="find each new row's page on its own: block_table[b, (cache_seqlens_b + t) // page]",
-                 caught_by=("paged-append-writes-exactly", "paged-equals-contiguous", "paged-outside-invariance"))
+@paged_mistake("paged-append-first-page",
+               sentence="every new row is written into the page of the first one, at offset (cache_seqlens + t) % "
+                        "page: an append that crosses a page boundary wraps around inside that page",
+               fix="find each new row's page on its own: block_table[b, (cache_seqlens_b + t) // page]",
+               caught_by=("paged-append-writes-exactly", "paged-equals-contiguous", "paged-outside-invariance"))
 def paged_append_first_page(c):
     c = _as_paged(c)
     if c["k"] is None:
@@ -80,11 +98,11 @@ def paged_append_first_page(c):
     return _read(c, {"k_after": k_pool, "v_after": v_pool}, _ends(c), table)
 
 
-@serving_mistake("block-table-overrun", convention="decode", paged=True,
-                 sentence="the length is not checked against the block table: the table is read as one flat array, so a "
-                          "sequence longer than its row reads (and writes) the next element's pages (flash-attn #2709)",
-                 fix="raise when cache_seqlens + S_new exceeds max_blocks * page (flash-attn PR #2711)",
-                 caught_by=("paged-capacity-contract",))
+@paged_mistake("block-table-overrun",
+               sentence="the length is not checked against the block table: the table is read as one flat array, so a "
+                        "sequence longer than its row reads (and writes) the next element's pages (flash-attn #2709)",
+               fix="raise when cache_seqlens + S_new exceeds max_blocks * page (flash-attn PR #2711)",
+               caught_by=("paged-capacity-contract",))
 def block_table_overrun(c):
     c = _as_paged(c)
     P, table = c["k_cache"].shape[1], c["block_table"]
@@ -103,14 +121,14 @@ def block_table_overrun(c):
     return _decoded(torch.cat(outs), None, k_pool, v_pool)
 
 
-@serving_mistake("masked-slots-times-zero", convention="decode", paged=True,
-                 sentence="the scores are materialised over the whole pool, the slots outside each sequence given weight "
-                          "0, and every slot's value multiplied in: NaN or inf in a slot no sequence attends (a page's "
-                          "unfilled tail, a free page) gives NaN (0 * NaN = NaN); finite stale values give the right "
-                          "answer",
-                 fix="gather (or slice) the slots a sequence attends before the product with V, or skip the masked "
-                     "blocks (FlexAttention's compiled kernels skip whole blocks; its eager path multiplies them all)",
-                 caught_by=("paged-outside-invariance", "cache-outside-invariance"))
+@paged_mistake("masked-slots-times-zero",
+               sentence="the scores are materialised over the whole pool, the slots outside each sequence given weight "
+                        "0, and every slot's value multiplied in: NaN or inf in a slot no sequence attends (a page's "
+                        "unfilled tail, a free page) gives NaN (0 * NaN = NaN); finite stale values give the right "
+                        "answer",
+               fix="gather (or slice) the slots a sequence attends before the product with V, or skip the masked "
+                   "blocks (FlexAttention's compiled kernels skip whole blocks; its eager path multiplies them all)",
+               caught_by=("paged-outside-invariance", "cache-outside-invariance"))
 def masked_slots_times_zero(c):
     c = _as_paged(c)
     right = _correct_decode(c)
