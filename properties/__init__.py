@@ -49,6 +49,7 @@ from attn_spec.properties.decode import append_writes_exactly, cache_outside_inv
 from attn_spec.properties.merge import merge_empty_neutral, merge_equals_union
 from attn_spec.properties.paged import (paged_append_writes_exactly, paged_capacity_contract,  # noqa: I001
                                         paged_equals_contiguous, paged_outside_invariance)
+from attn_spec.properties.prefill import chunked_prefill_equals_one_shot
 
 __all__ = ["REGISTRY", "Property", "select", "check_property",
            "rows_sum_to_one", "causal_mask", "permutation_equivariance", "scale_sqrt_dk", "cross_attention_shapes",
@@ -59,7 +60,7 @@ __all__ = ["REGISTRY", "Property", "select", "check_property",
            "score_mod_statement", "devices_agree", "decode_equals_full_causal", "cache_outside_invariance",
            "append_writes_exactly", "merge_equals_union", "merge_empty_neutral",
            "paged_equals_contiguous", "paged_outside_invariance", "paged_append_writes_exactly",
-           "paged_capacity_contract"]
+           "paged_capacity_contract", "chunked_prefill_equals_one_shot"]
 
 
 def select(only=None, skip=None) -> list[Property]:

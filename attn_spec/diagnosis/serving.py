@@ -108,6 +108,20 @@ def cache_append_off_by_one(c):
                                       c["k"], c["v"], c["cache_leftpad"], causal=c["causal"], scale=c["scale"]))
 
 
+@serving_mistake("decode-chunk-unmasked", convention="decode",
+                 sentence="with a cache that is not empty the kernel takes its one-token decode path: a chunk of several "
+                          "new tokens gets no causal mask inside it, each new token sees the whole chunk",
+                 fix="mask causally inside the chunk whatever the cache holds: new token i sees keys up to "
+                     "cache_seqlens + i (bottom-right)",
+                 caught_by=("chunked-prefill-equals-one-shot", "decode-equals-full-causal"))
+def decode_chunk_unmasked(c):
+    parts = [_decoded(*decode_reference(
+        c["q"][b:b + 1], c["k_cache"][b:b + 1], c["v_cache"][b:b + 1], c["cache_seqlens"][b:b + 1],
+        *(None if c[name] is None else c[name][b:b + 1] for name in ("k", "v", "cache_leftpad")),
+        causal=c["causal"] and int(c["cache_seqlens"][b]) == 0, scale=c["scale"])) for b in range(c["q"].shape[0])]
+    return {name: torch.cat([p[name] for p in parts]) for name in ("out", "k_after", "v_after")}
+
+
 @serving_mistake("merge-empty-nan", convention="merge",
                  sentence="the merge subtracts the larger LSE without a guard: two empty states (LSE -inf) give "
                           "exp(-inf - (-inf)) = NaN instead of the empty state (0, -inf)",

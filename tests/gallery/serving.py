@@ -54,6 +54,17 @@ def decode_append_off_by_one(q, k_cache, v_cache, k=None, v=None, cache_seqlens=
                    attended=lambda end, size: end + 1 if k is not None else end)
 
 
+@buggy("chunked-prefill-equals-one-shot", bug="takes the one-token decode path whenever the cache is not empty: no "
+       "causal mask inside a chunk", mistake="decode-chunk-unmasked", convention="decode")
+def decode_chunk_unmasked(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False):
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        out[b:b + 1] = _decode(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], None if k is None else k[b:b + 1],
+                               None if v is None else v[b:b + 1], cache_seqlens[b:b + 1],
+                               causal=causal and int(cache_seqlens[b]) == 0)
+    return out
+
+
 correct("merge", name="merge_state_reference")(load_target(f"{KERNELS}:merge_state"))
 correct("merge", name="merge_state_base2")(load_target(f"{KERNELS}:merge_state_base2"))
 
