@@ -3,9 +3,10 @@ block table must compute, whatever page size and page order the pool has.
 
 A case is read as decode_inputs reads it (properties/decode.py): B elements, each a sequence of L_b tokens, S_new
 of them new. The pool is paged: a page size P drawn from the case's seed (1, a non-divisor, or larger than the
-sequence), a block table of max_blocks = ceil((n_kv + 2) / P) + 1 or + 2 columns (so some listed pages are past
-every sequence's end), and a pool of B * max_blocks + 1..3 pages (spare pages no element lists), the table a
-random permutation of the pool. Row r of element b lies in page block_table[b, r // P], offset r % P.
+sequence; a multiple of the smallest page size the kernel takes where it refuses page 1, as flash-attn 2 takes
+multiples of 256 only), a block table of max_blocks = ceil((n_kv + 2) / P) + 1 or + 2 columns (so some listed
+pages are past every sequence's end), and a pool of B * max_blocks + 1..3 pages (spare pages no element lists),
+the table a random permutation of the pool. Row r of element b lies in page block_table[b, r // P], offset r % P.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from attn_spec.checking.cases import _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.properties.decode import DECODE_CASES, decode_inputs, last_rows_reference
+from attn_spec.targets.serving_decode import page_granule
 
 F64 = torch.float64
 
@@ -28,11 +30,13 @@ def _paged_only(target):
         raise Unsupported(f"{target.name} takes no block_table (its caches are contiguous only)", total=True)
 
 
-def page_layout(case, n_rows, *, extra=None):
-    """(page size P, block_table int32 [B, max_blocks], num_blocks) drawn from the case's seed, for n_rows rows."""
+def page_layout(case, n_rows, *, granule=1, extra=None):
+    """(page size P, block_table int32 [B, max_blocks], num_blocks) drawn from the case's seed, for n_rows rows; P is
+    a multiple of ``granule``, the smallest page size the kernel takes (the header's "page sizes")."""
     gen = torch.Generator().manual_seed(case.seed + 1)
     choices = (1, 2, 3, int(torch.randint(1, n_rows + 1, (1,), generator=gen)), n_rows + 1)
     P = choices[int(torch.randint(len(choices), (1,), generator=gen))]
+    P = P if granule == 1 else granule * (1 + int(torch.randint(2, (1,), generator=gen)))  # granule or twice it
     extra = int(torch.randint(1, 3, (1,), generator=gen)) if extra is None else extra
     max_blocks = math.ceil(n_rows / P) + extra
     num_blocks = case.batch[0] * max_blocks + int(torch.randint(1, 4, (1,), generator=gen))
@@ -59,11 +63,11 @@ def slots(block_table, P, lo, hi):
     return found
 
 
-def paged_case(case):
+def paged_case(target, case):
     """(q, k_full, v_full, lengths, P, block_table, k_pool, v_pool): the sequences of decode_inputs, paged, the
     pool's other slots stale values of other sequences."""
     q, k_full, v_full, lengths, _ = decode_inputs(case)
-    P, table, num_blocks = page_layout(case, k_full.shape[1])
+    P, table, num_blocks = page_layout(case, k_full.shape[1], granule=page_granule(target))
     gen = torch.Generator().manual_seed(case.seed + 2)
     stale = lambda: _values(gen, (num_blocks, P, *k_full.shape[2:]), case.values, case.magnitude)  # noqa: E731
     pools = [to_pages(t.cpu(), P, table, stale().to(t.dtype)).to(t.device) for t in (k_full, v_full)]
@@ -101,7 +105,7 @@ def paged_equals_contiguous(target, case):
     the wrong page.
     """
     _paged_only(target)
-    q, k_full, v_full, lengths, P, table, k_pool, v_pool = paged_case(case)
+    q, k_full, v_full, lengths, P, table, k_pool, v_pool = paged_case(target, case)
     S = q.shape[1]
     for appended in (True, False):
         seqlens = lengths - S if appended else lengths
@@ -143,7 +147,7 @@ def paged_outside_invariance(target, case):
     after multiplying stale rows by a zero weight.
     """
     _paged_only(target)
-    q, k_full, v_full, lengths, P, table, k_pool, v_pool = paged_case(case)
+    q, k_full, v_full, lengths, P, table, k_pool, v_pool = paged_case(target, case)
     S = q.shape[1]
     seqlens = lengths - S
     attended = torch.zeros(k_pool.shape[:2], dtype=torch.bool)  # [num_blocks, P]
@@ -198,7 +202,7 @@ def paged_append_writes_exactly(target, case):
     _paged_only(target)
     if target.behaviour()["writes-cache"] != "yes":
         raise Unsupported(f"{target.name} does not write the cache", total=True)
-    q, k_full, v_full, lengths, P, table, k_pool, v_pool = paged_case(case)
+    q, k_full, v_full, lengths, P, table, k_pool, v_pool = paged_case(target, case)
     S = q.shape[1]
     seqlens = lengths - S
     new = [_new_rows(t, seqlens, S) for t in (k_full, v_full)]  # [B, S, H, D]
@@ -250,7 +254,7 @@ def paged_capacity_contract(target, case):
     _paged_only(target)
     q, k_full, v_full, _, _ = decode_inputs(case)
     S, B = q.shape[1], q.shape[0]
-    P, table, num_blocks = page_layout(case, k_full.shape[1], extra=0)
+    P, table, num_blocks = page_layout(case, k_full.shape[1], granule=page_granule(target), extra=0)
     capacity = table.shape[1] * P
     gen = torch.Generator().manual_seed(case.seed + 3)
     draw = lambda n: _values(gen, (B, n, *k_full.shape[2:]), case.values, case.magnitude).to(q.dtype)  # noqa: E731

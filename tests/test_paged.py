@@ -13,6 +13,7 @@ from attn_spec.targets.loading import load_target
 from attn_spec.targets.serving_decode import decode_reference, gather_pages
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+examples_paged = load_target(f"{EXAMPLES / 'serving_kernels.py'}:paged_decode_kernel")
 PAGED = ["paged-equals-contiguous", "paged-outside-invariance", "paged-append-writes-exactly", "paged-capacity-contract"]
 
 
@@ -63,6 +64,20 @@ def test_a_paged_cache_only_for_a_kernel_whose_signature_names_block_table():
         assert result.status == "skip" and "takes no block_table" in result.message, result.message
     paged = make_target(load_target(f"{EXAMPLES / 'serving_kernels.py'}:paged_decode_kernel"))
     assert "block_table" in paged.accepts and "paged caches: yes" in paged.notes()[1]
+
+
+def test_a_kernel_that_takes_only_large_pages_is_checked_on_multiples_of_them():
+    """flash-attn 2 takes page sizes that are multiples of 256 only: the header says so, and the paged properties
+    draw such pages (rather than failing it on page 1)."""
+    def pages_of_16(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
+        if block_table is not None and k_cache.shape[1] % 16:
+            raise RuntimeError("Paged KV cache block size must be divisible by 16")
+        return examples_paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal)
+
+    target = make_target(pages_of_16)
+    assert target.behaviour()["page-sizes"] == "multiples of 16 (page 1: RuntimeError)"
+    report = attn_spec.check(pages_of_16, profile="quick", seed=0, only=PAGED)
+    assert report.conforms, str(report)
 
 
 def test_the_paged_reference_kernel_conforms_with_no_flags(capsys):

@@ -162,7 +162,8 @@ class DecodeTarget(Target):
         found = self.behaviour()
         return [f"decode: causal alignment {found['causal-alignment']}, writes the cache: {found['writes-cache']}, "
                 f"LSE: {found['lse-base']}, LSE of an empty row: {found['lse-empty-row']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
-                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}; paged caches: {self.paged()}"]
+                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}; paged caches: {self.paged()}"
+                + (f", page sizes: {found['page-sizes']}" if "block_table" in self.accepts else "")]
 
     def paged(self) -> str:
         """Whether the kernel is called with paged caches: it is when its signature takes block_table."""
@@ -231,5 +232,35 @@ def lse_empty_row(target) -> str:
     return in_child(call)
 
 
+PAGE_SIZES = (1, 16, 256)  # flash-attn 2 takes multiples of 256 only, FA3 and FlashInfer any
+
+
+def page_sizes(target) -> str:
+    """The smallest page size of PAGE_SIZES the kernel takes, on one query over a one-page pool of 3 filled rows:
+    "any" (page 1 works), "multiples of N", or why none works. The paged properties draw multiples of it."""
+    if "block_table" not in target.accepts:
+        return "n/a (no block_table)"
+    q, _, _, seqlens = _tiny()
+    refused = []
+    for size in PAGE_SIZES:
+        pages = -(-3 // size)
+        k_pool = torch.zeros(pages, size, 1, 1, dtype=F64)  # [num_blocks, page, H, D]
+        v_pool = torch.arange(pages * size, dtype=F64).add(1).reshape(pages, size, 1, 1)  # rows 1, 2, 3, ...
+        table = torch.arange(pages, dtype=torch.int32)[None]  # [1, pages]
+        try:
+            target.decode(q, k_pool, v_pool, seqlens, causal=True, block_table=table)
+        except Exception as exc:  # noqa: BLE001 - the kernel refusing this page size
+            refused.append(f"page {size}: {type(getattr(exc, 'exc', exc)).__name__}")
+            continue
+        return "any" if size == 1 else f"multiples of {size} ({', '.join(refused)})"
+    return f"none of {', '.join(map(str, PAGE_SIZES))} ({', '.join(refused)})"
+
+
+def page_granule(target) -> int:
+    """The page size the paged properties draw multiples of: the probed one, or 1 where none was taken."""
+    found = target.behaviour()["page-sizes"]
+    return int(found.split()[2]) if found.startswith("multiples of") else 1
+
+
 PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base,
-          "lse-empty-row": lse_empty_row}
+          "lse-empty-row": lse_empty_row, "page-sizes": page_sizes}
