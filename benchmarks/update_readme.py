@@ -5,10 +5,14 @@
   properties, the gallery), or ``bench:MEASURE`` (the figure of that row of the last saved benchmark run,
   benchmarks/results.md), ``bench-table`` (its whole table) or ``bench-measured`` (when and where it ran);
 - in the transcripts (code blocks, where a marker would show), "N of M properties fail" and "K not run" with M
-  the number of properties a check reports on an attention.
+  the number of properties a check reports on an attention;
+- with ``--transcripts``, each ``<!-- generated:transcript:NAME -->`` region: the real ``attn-spec check`` output
+  on gallery entry NAME (profile quick, seed 1, cpu), in a text block. Without it those regions are kept as they
+  are (their time column varies run to run); tests/test_readme.py checks the rest of each against a fresh run.
 
     python benchmarks/bench.py --markdown > benchmarks/results.md   # measure (long: every section)
     python benchmarks/update_readme.py                              # then rewrite README.md
+    python benchmarks/update_readme.py --transcripts                # also run the transcripts' checks again
 
 tests/test_readme.py fails when README.md differs from what this script writes.
 """
@@ -102,14 +106,28 @@ def value(name: str, found: dict, saved: tuple) -> str:
     return str(found[name])
 
 
-def render(text: str) -> str:
-    """README's text with every generated part rewritten."""
+def transcript(name: str) -> str:
+    """The text block of ``attn-spec check`` on gallery entry ``name`` (quick profile, seed 1, the CPU)."""
+    import attn_spec
+
+    entry = next(e for e in _gallery().BUGGY + _gallery().CORRECT if e.name == name)
+    report = attn_spec.check(entry.obj, name=name, convention=entry.convention, profile="quick", seed=1,
+                             devices=["cpu"], **entry.options)
+    return f"\n```text\n{str(report).strip()}\n```\n"
+
+
+def render(text: str, transcripts: bool = False) -> str:
+    """README's text with every generated part rewritten (the transcripts too, with ``transcripts``)."""
     head, rest = text.split("<!-- catalog -->", 1)
     _, tail = rest.split("<!-- /catalog -->", 1)
     text = f"{head}<!-- catalog -->\n{table()}\n<!-- /catalog -->{tail}"
     found, saved = counts(), bench()
-    text = REGION.sub(lambda m: f"<!-- generated:{m['name']} -->{value(m['name'], found, saved)}<!-- /generated -->",
-                      text)
+    def region(m) -> str:
+        name = m["name"]
+        if name.startswith("transcript:"):
+            return f"<!-- generated:{name} -->{transcript(name[11:]) if transcripts else m['text']}<!-- /generated -->"
+        return f"<!-- generated:{name} -->{value(name, found, saved)}<!-- /generated -->"
+    text = REGION.sub(region, text)
     n = found["attention-properties"]
     text = re.sub(VERDICT, lambda m: f"{m['head'] or ''}{m['failed']} of {checked_on(m['convention'])}{m['space']}"
                                      f"properties fail", text)
@@ -117,4 +135,4 @@ def render(text: str) -> str:
 
 
 if __name__ == "__main__":
-    README.write_text(render(README.read_text(encoding="utf-8")), encoding="utf-8")
+    README.write_text(render(README.read_text(encoding="utf-8"), "--transcripts" in sys.argv), encoding="utf-8")

@@ -3,11 +3,13 @@ from flash-attn's parameter names):
 
     attn-spec check examples/serving_kernels.py:decode_kernel
     attn-spec check examples/serving_kernels.py:sdpa_decode
+    attn-spec check examples/serving_kernels.py:paged_decode_kernel
 
 ``decode_kernel`` is a reference KV-cache decode kernel written plainly in torch; ``sdpa_decode`` is PyTorch's
 SDPA used as one, through the small adapter a serving stack writes: it appends k and v to the cache, slices
 the rows a sequence attends, and masks with ``causal_lower_right`` (SDPA's ``is_causal`` is aligned top-left,
-which is wrong for decoding).
+which is wrong for decoding). ``paged_decode_kernel`` takes flash-attn's ``block_table`` too: its caches are then a
+pool of pages [num_blocks, page, H_kv, D], element b's row r in page ``block_table[b, r // page]``.
 """
 import math
 
@@ -50,6 +52,32 @@ def decode_kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [H, S, L]; a row with no key gives 0
         out[b] = torch.einsum("hsl,lhd->shd", weights, values.to(acc)).to(q.dtype)  # [S, H, Dv]
     return (out, lse) if return_softmax_lse else out
+
+
+def paged_decode_kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, softmax_scale=None,
+                        causal=False, return_softmax_lse=False):
+    """decode_kernel over a paged cache: append through the block table, gather each element's rows in the table's
+    order, decode. A length the block table cannot hold raises (flash-attn #2709 read past it silently)."""
+    if block_table is None:
+        return decode_kernel(q, k_cache, v_cache, k, v, cache_seqlens, None, softmax_scale, causal, return_softmax_lse)
+    page, S = k_cache.shape[1], q.shape[1]
+    lengths = cache_seqlens + (S if k is not None else 0)  # [B]
+    if (lengths > block_table.shape[1] * page).any():
+        raise ValueError(f"cache lengths {lengths.tolist()} exceed the block table's {block_table.shape[1]} pages "
+                         f"of {page} rows")
+    keys, values = [], []
+    for b, length in enumerate(lengths.tolist()):
+        rows = torch.arange(length)  # [L]
+        pages, offsets = block_table[b, rows // page].long(), rows % page  # [L] each: where row r lives
+        if k is not None:
+            new = rows[int(cache_seqlens[b]):]  # [S]: the appended rows
+            k_cache[pages[new], offsets[new]], v_cache[pages[new], offsets[new]] = k[b], v[b]  # [S, H_kv, D]
+        keys.append(k_cache[pages, offsets])  # [L, H_kv, D]
+        values.append(v_cache[pages, offsets])
+    width = max(lengths.tolist())
+    pad = lambda t: F.pad(t, (0, 0, 0, 0, 0, width - t.shape[0]))  # noqa: E731 - [width, H_kv, D]
+    k_rows, v_rows = torch.stack([pad(t) for t in keys]), torch.stack([pad(t) for t in values])  # [B, width, H_kv, D]
+    return decode_kernel(q, k_rows, v_rows, None, None, lengths, None, softmax_scale, causal, return_softmax_lse)
 
 
 def sdpa_decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False):

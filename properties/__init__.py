@@ -47,6 +47,9 @@ from attn_spec.properties.mods import mask_mod_rows, mask_mod_statement, score_m
 from attn_spec.properties.devices import devices_agree
 from attn_spec.properties.decode import append_writes_exactly, cache_outside_invariance, decode_equals_full_causal
 from attn_spec.properties.merge import merge_empty_neutral, merge_equals_union
+from attn_spec.properties.paged import (paged_append_writes_exactly, paged_capacity_contract,  # noqa: I001
+                                        paged_equals_contiguous, paged_outside_invariance)
+from attn_spec.properties.prefill import chunked_prefill_equals_one_shot
 from attn_spec.properties.dropout import dropout_mask, dropout_mean
 
 __all__ = ["REGISTRY", "Property", "select", "check_property",
@@ -56,7 +59,9 @@ __all__ = ["REGISTRY", "Property", "select", "check_property",
            "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
            "scale_argument", "is_causal", "sliding_window", "softcap", "mask_mod_statement", "mask_mod_rows",
            "score_mod_statement", "devices_agree", "decode_equals_full_causal", "cache_outside_invariance",
-           "append_writes_exactly", "merge_equals_union", "merge_empty_neutral", "dropout_mask", "dropout_mean"]
+           "append_writes_exactly", "merge_equals_union", "merge_empty_neutral",
+           "paged_equals_contiguous", "paged_outside_invariance", "paged_append_writes_exactly",
+           "paged_capacity_contract", "chunked_prefill_equals_one_shot", "dropout_mask", "dropout_mean"]
 
 
 def select(only=None, skip=None) -> list[Property]:

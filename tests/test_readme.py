@@ -49,6 +49,23 @@ def test_readmes_generated_figures_are_current():
     assert measured.startswith("measured 20") and len(figures) > 20 and f"\n{table}\n" in README
 
 
+def _untimed(text: str) -> str:
+    """A transcript without what varies from run to run: the time column (and the padding it sets)."""
+    text = re.sub(r"-{2,}", "--", re.sub(r"\b\d+\.\d\ds\b", "_s", text))
+    return re.sub(r"[ \t]+", " ", text).strip()
+
+
+def test_readmes_transcripts_are_the_checks_real_output():
+    """Each generated:transcript:NAME region is what attn-spec check prints on gallery entry NAME today, up to its
+    time column (python benchmarks/update_readme.py --transcripts writes them)."""
+    update = _update_readme()
+    regions = [m for m in update.REGION.finditer(README) if m["name"].startswith("transcript:")]
+    assert regions
+    for m in regions:
+        assert _untimed(m["text"]) == _untimed(update.transcript(m["name"][11:])), \
+            f"README's {m['name']} is stale: python benchmarks/update_readme.py --transcripts"
+
+
 def test_a_stale_count_fails_the_check():
     """The check above can fail: a README that says 22 properties or a gallery of 66 is rewritten."""
     update = _update_readme()

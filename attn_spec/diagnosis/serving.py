@@ -16,10 +16,11 @@ from typing import Callable
 
 import torch
 
-from attn_spec.diagnosis.roots import Diagnosis
 import math
 
-from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.diagnosis.roots import Diagnosis
+from attn_spec.diagnosis.serving_paged import PAGED_MODELS
+from attn_spec.targets.serving_decode import decode_reference, gather_pages, scatter_pages
 from attn_spec.targets.serving_merge import merge_reference
 
 SERVING_MISTAKES: dict[str, "ServingMistake"] = {}
@@ -33,11 +34,23 @@ class ServingMistake:
     sentence: str
     fix: str
     caught_by: tuple[str, ...]
+    paged: bool = False  # a decode model of paged caches itself (attn_spec.diagnosis.serving_paged)
+
+    def apply(self, c) -> dict:
+        """The wrong kernel's outputs on the recorded call ``c``. A model of contiguous caches replays a paged call on
+        the cache its block table stands for (gathered in the table's order), the pages written back after."""
+        table = c.get("block_table")
+        if self.convention != "decode" or self.paged or table is None:
+            return self.fn(c)
+        pages = {name: c[name] for name in ("k_cache", "v_cache")}
+        got = self.fn({**c, "block_table": None, **{name: gather_pages(t, table) for name, t in pages.items()}})
+        return {**got, "k_after": scatter_pages(pages["k_cache"].to(torch.float64), got["k_after"], table),
+                "v_after": scatter_pages(pages["v_cache"].to(torch.float64), got["v_after"], table)}
 
 
-def serving_mistake(id: str, *, convention: str, sentence: str, fix: str, caught_by):
+def serving_mistake(id: str, *, convention: str, sentence: str, fix: str, caught_by, paged: bool = False):
     def register(fn):
-        SERVING_MISTAKES[id] = ServingMistake(id, convention, fn, sentence, fix, tuple(caught_by))
+        SERVING_MISTAKES[id] = ServingMistake(id, convention, fn, sentence, fix, tuple(caught_by), paged)
         return fn
     return register
 
@@ -48,7 +61,8 @@ def _decoded(out, lse, k_after, v_after) -> dict:
 
 def _correct_decode(c):
     return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
-                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"]))
+                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"],
+                                      block_table=c.get("block_table")))
 
 
 def _correct_merge(c):
@@ -94,6 +108,20 @@ def cache_append_off_by_one(c):
                                       c["k"], c["v"], c["cache_leftpad"], causal=c["causal"], scale=c["scale"]))
 
 
+@serving_mistake("decode-chunk-unmasked", convention="decode",
+                 sentence="with a cache that is not empty the kernel takes its one-token decode path: a chunk of several "
+                          "new tokens gets no causal mask inside it, each new token sees the whole chunk",
+                 fix="mask causally inside the chunk whatever the cache holds: new token i sees keys up to "
+                     "cache_seqlens + i (bottom-right)",
+                 caught_by=("chunked-prefill-equals-one-shot", "decode-equals-full-causal"))
+def decode_chunk_unmasked(c):
+    parts = [_decoded(*decode_reference(
+        c["q"][b:b + 1], c["k_cache"][b:b + 1], c["v_cache"][b:b + 1], c["cache_seqlens"][b:b + 1],
+        *(None if c[name] is None else c[name][b:b + 1] for name in ("k", "v", "cache_leftpad")),
+        causal=c["causal"] and int(c["cache_seqlens"][b]) == 0, scale=c["scale"])) for b in range(c["q"].shape[0])]
+    return {name: torch.cat([p[name] for p in parts]) for name in ("out", "k_after", "v_after")}
+
+
 @serving_mistake("merge-empty-nan", convention="merge",
                  sentence="the merge subtracts the larger LSE without a guard: two empty states (LSE -inf) give "
                           "exp(-inf - (-inf)) = NaN instead of the empty state (0, -inf)",
@@ -118,6 +146,10 @@ def merge_lse_max(c):
     return {**merged, "s": torch.maximum(*(t.to(torch.float64) for t in c["inputs"][1::2]))}
 
 
+for _id, _fn, _words in PAGED_MODELS:  # the paged decode models, after the contiguous ones
+    serving_mistake(_id, convention="decode", paged=True, **_words)(_fn)
+
+
 def _same(got, model, dtype) -> bool:
     """``got`` (the target's) equals ``model`` (float64) within a few units in the last place of ``dtype``, NaN
     where the target has NaN."""
@@ -130,8 +162,13 @@ def _same(got, model, dtype) -> bool:
 
 
 def reproduces(fn, call) -> bool:
-    """The model's outputs equal the recorded ones, each within a few units in the last place of its dtype."""
-    return all(_same(call[name], model, call[name].dtype) for name, model in fn(call).items())
+    """The model's outputs equal the recorded ones, each within a few units in the last place of its dtype (a model
+    that raises on the call, one past a block table say, does not reproduce it: the kernel returned)."""
+    try:
+        outputs = fn(call)
+    except (ValueError, IndexError, RuntimeError):  # a length past the cache or its block table, say
+        return False
+    return all(_same(call[name], model, call[name].dtype) for name, model in outputs.items())
 
 
 def replay(target, prop, case) -> list[dict]:
@@ -156,8 +193,9 @@ def diagnose_serving(target, report, registry) -> None:
     correct = CORRECT[target.convention]
     if not all(calls.values()) or all(all(reproduces(correct, c) for c in kept) for kept in calls.values()):
         return  # nothing kept, or the correct kernel reproduces it all: not a mistake of these models
-    fits = [m for m in SERVING_MISTAKES.values() if m.convention == target.convention
-            and all(reproduces(m.fn, c) for kept in calls.values() for c in kept)]
+    paged = "block_table" in getattr(target, "accepts", ())  # a kernel that takes no block table has no pages
+    fits = [m for m in SERVING_MISTAKES.values() if m.convention == target.convention and (paged or not m.paged)
+            and all(reproduces(m.apply, c) for kept in calls.values() for c in kept)]
     if not fits:
         return
     m, order = fits[0], [r.id for r in report.properties]
@@ -185,3 +223,4 @@ def lesson(mistake_id: str) -> str:
             f"the kernel kept; {m.id} is named when it reproduces every kept call (outputs within a few units in the "
             f"last place, NaN where the kernel gave NaN, both caches afterwards) and the correct kernel does not. "
             f"Shown at: {', '.join(m.caught_by)}.\n")
+

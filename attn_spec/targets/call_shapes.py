@@ -24,7 +24,7 @@ CALLS = {
     "hf": ("fn(module, query, key, value, attention_mask, dropout=0.0, scaling=...)", 5, ("dropout", "scaling")),
     "mask-mod": ("mask_mod(b, h, q_idx, kv_idx)", 4, ()),
     "score-mod": ("score_mod(score, b, h, q_idx, kv_idx)", 5, ()),
-    "decode": ("fn(q, k_cache, v_cache, ...), the rest by name (cache_seqlens=, k=, v=, causal=, ...)", 3, ()),
+    "decode": ("fn(q, k_cache, v_cache, ...), the rest by name (cache_seqlens=, k=, v=, block_table=, causal=, ...)", 3, ()),
     "merge": ("merge_state(v_a, s_a, v_b, s_b)", 4, ()),
 }
 BUILD = "Cls(d_model, n_heads)"

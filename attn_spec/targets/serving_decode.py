@@ -4,13 +4,18 @@
                                   k=None, v=None,  # [B, S_new, H_kv, D]: appended in place at cache_seqlens
                                   cache_seqlens=None,  # int32 [B]: rows of the cache already filled
                                   cache_leftpad=None,  # int32 [B]: the first row attended
+                                  block_table=None,  # int32 [B, max_blocks]: a paged cache's pages, in order
                                   softmax_scale=None, causal=False, return_softmax_lse=False, ...)
 
 Attended keys of batch element b: cache rows [leftpad_b, seqlens_b + S_new), after k and v are written at
 rows [seqlens_b, seqlens_b + S_new). Causal is aligned bottom-right: query i sees the keys up to
 n_keys_b - S_new + i, so decoding equals the last S_new rows of full causal attention. With
-``return_softmax_lse`` the kernel returns ``(out, lse [B, H, S_new])``. A kernel without this signature
-(SDPA with ``causal_lower_right``, say) is wrapped in a function that has it (examples/serving_kernels.py).
+``return_softmax_lse`` the kernel returns ``(out, lse [B, H, S_new])``. A kernel without this signature (SDPA
+with ``causal_lower_right``, say) is wrapped in a function that has it (examples/serving_kernels.py).
+
+A kernel whose signature names ``block_table`` is also called with paged caches ``[num_blocks, page, H_kv, D]``
+(properties/paged.py): row r of element b lies in page ``block_table[b, r // page]`` at offset ``r % page``, and
+a length past the block table's capacity ``max_blocks * page`` must raise.
 
 The header reports what the kernel does, probed on tiny inputs: the causal alignment, whether it writes the
 cache, and, where it returns an LSE, its base (e or 2) and the LSE of a row with no key to attend (-inf is
@@ -30,13 +35,39 @@ from attn_spec.targets.forked import in_child
 from attn_spec.vocabulary import Traits
 
 F64 = torch.float64
-ARGUMENTS = ("k", "v", "cache_seqlens", "cache_leftpad", "softmax_scale", "causal", "return_softmax_lse")
+ARGUMENTS = ("k", "v", "cache_seqlens", "cache_leftpad", "block_table", "softmax_scale", "causal", "return_softmax_lse")
+
+
+def gather_pages(cache, block_table):
+    """A paged cache [num_blocks, page, H_kv, D] as the contiguous one it stands for, [B, max_blocks * page, H_kv, D]:
+    row r of element b is page block_table[b, r // page], offset r % page."""
+    B, n = block_table.shape
+    return cache[block_table.long()].reshape(B, n * cache.shape[1], *cache.shape[2:])  # [B, n * page, H_kv, D]
+
+
+def scatter_pages(pages, contiguous, block_table):
+    """``pages`` (a copy) with every page the block table lists overwritten by its rows of ``contiguous``."""
+    pages = pages.clone()
+    pages[block_table.long()] = contiguous.reshape(*block_table.shape, *pages.shape[1:]).to(pages.dtype)
+    return pages
 
 
 def decode_reference(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None, *, causal=True,
-                     scale=None, causal_alignment="bottom-right"):
+                     scale=None, causal_alignment="bottom-right", block_table=None):
     """What a correct decode kernel computes, in float64: (out [B, S, H, D], lse [B, H, S] in base e, the caches
-    after the append). Grouped K/V heads are repeated to the query heads; an empty row has out 0, LSE -inf."""
+    after the append). Grouped K/V heads are repeated to the query heads; an empty row has out 0, LSE -inf.
+    With ``block_table`` the caches are paged: gathered into contiguous ones, decoded, the pages written back;
+    a length past the block table's capacity raises ValueError."""
+    if block_table is not None:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        ends = torch.as_tensor(cache_seqlens).cpu() + (0 if k is None else k.shape[1])  # [B]
+        if bool((ends > capacity).any()):
+            raise ValueError(f"lengths {ends.tolist()} exceed the block table's capacity {capacity}")
+        out, lse, k_flat, v_flat = decode_reference(
+            q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), cache_seqlens, k, v,
+            cache_leftpad, causal=causal, scale=scale, causal_alignment=causal_alignment)
+        k_pages, v_pages = (t.detach().to("cpu", F64) for t in (k_cache, v_cache))
+        return out, lse, scatter_pages(k_pages, k_flat, block_table), scatter_pages(v_pages, v_flat, block_table)
     q, k_cache, v_cache = (t.detach().to("cpu", F64) for t in (q, k_cache, v_cache))
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     B, S, H, D = q.shape
@@ -79,7 +110,8 @@ class DecodeTarget(Target):
     def __init__(self, obj, name, masks=None, **kwargs):
         super().__init__(obj, name, masks, **kwargs)
         names = parameter_names(obj) or ()
-        self.accepts = {a for a in ARGUMENTS if a in names} if "kwargs" not in names else set(ARGUMENTS)
+        # **kwargs takes every argument but block_table: a paged cache only where the signature names it
+        self.accepts = {a for a in ARGUMENTS if a in names} if "kwargs" not in names else set(ARGUMENTS) - {"block_table"}
         self.log = None  # a list while a failure is replayed (attn_spec.diagnosis.serving): every call kept
         self.probed = None
 
@@ -90,11 +122,13 @@ class DecodeTarget(Target):
         return "a decode kernel is checked by the decode properties"
 
     def decode(self, q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None, *, causal=True,
-               scale=None, lse=False):
+               scale=None, lse=False, block_table=None):
         """One call of the kernel: ``out`` [B, S_new, H, D], or ``(out, lse [B, H, S_new])`` with ``lse``. The caches
-        are the caller's tensors, written in place by a kernel that appends k and v."""
+        are the caller's tensors ([num_blocks, page, H_kv, D] with ``block_table``), written in place by a kernel
+        that appends k and v."""
         given = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad,
-                 "softmax_scale": scale, "causal": causal or None, "return_softmax_lse": lse or None}
+                 "block_table": block_table, "softmax_scale": scale, "causal": causal or None,
+                 "return_softmax_lse": lse or None}
         given = {key: value for key, value in given.items() if value is not None}
         missing = [key for key in given if key not in self.accepts]
         if missing:
@@ -112,7 +146,8 @@ class DecodeTarget(Target):
                  cause="a decode kernel returns out [B, S_new, H, D] (and the LSE with return_softmax_lse=True)")
         if self.log is not None:
             self.log.append({"q": before[0], "k_cache": before[1], "v_cache": before[2], "cache_seqlens": cache_seqlens,
-                             "k": k, "v": v, "cache_leftpad": cache_leftpad, "causal": causal, "scale": scale,
+                             "k": k, "v": v, "cache_leftpad": cache_leftpad, "block_table": block_table,
+                             "causal": causal, "scale": scale,
                              "out": out.detach().clone(), "k_after": k_cache.detach().clone(),
                              "v_after": v_cache.detach().clone()})
         return (out, found_lse) if lse else out
@@ -127,7 +162,14 @@ class DecodeTarget(Target):
         found = self.behaviour()
         return [f"decode: causal alignment {found['causal-alignment']}, writes the cache: {found['writes-cache']}, "
                 f"LSE: {found['lse-base']}, LSE of an empty row: {found['lse-empty-row']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
-                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}"]
+                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}; paged caches: {self.paged()}"
+                + (f", page sizes: {found['page-sizes']}" if "block_table" in self.accepts else "")]
+
+    def paged(self) -> str:
+        """Whether the kernel is called with paged caches: it is when its signature takes block_table."""
+        if "block_table" in self.accepts:
+            return "yes (block_table [B, max_blocks] over caches [num_blocks, page, H_kv, D])"
+        return "no (it takes no block_table)"
 
 
 def _safely(probe, target) -> str:
@@ -190,5 +232,35 @@ def lse_empty_row(target) -> str:
     return in_child(call)
 
 
+PAGE_SIZES = (1, 16, 256)  # flash-attn 2 takes multiples of 256 only, FA3 and FlashInfer any
+
+
+def page_sizes(target) -> str:
+    """The smallest page size of PAGE_SIZES the kernel takes, on one query over a one-page pool of 3 filled rows:
+    "any" (page 1 works), "multiples of N", or why none works. The paged properties draw multiples of it."""
+    if "block_table" not in target.accepts:
+        return "n/a (no block_table)"
+    q, _, _, seqlens = _tiny()
+    refused = []
+    for size in PAGE_SIZES:
+        pages = -(-3 // size)
+        k_pool = torch.zeros(pages, size, 1, 1, dtype=F64)  # [num_blocks, page, H, D]
+        v_pool = torch.arange(pages * size, dtype=F64).add(1).reshape(pages, size, 1, 1)  # rows 1, 2, 3, ...
+        table = torch.arange(pages, dtype=torch.int32)[None]  # [1, pages]
+        try:
+            target.decode(q, k_pool, v_pool, seqlens, causal=True, block_table=table)
+        except Exception as exc:  # noqa: BLE001 - the kernel refusing this page size
+            refused.append(f"page {size}: {type(getattr(exc, 'exc', exc)).__name__}")
+            continue
+        return "any" if size == 1 else f"multiples of {size} ({', '.join(refused)})"
+    return f"none of {', '.join(map(str, PAGE_SIZES))} ({', '.join(refused)})"
+
+
+def page_granule(target) -> int:
+    """The page size the paged properties draw multiples of: the probed one, or 1 where none was taken."""
+    found = target.behaviour()["page-sizes"]
+    return int(found.split()[2]) if found.startswith("multiples of") else 1
+
+
 PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base,
-          "lse-empty-row": lse_empty_row}
+          "lse-empty-row": lse_empty_row, "page-sizes": page_sizes}

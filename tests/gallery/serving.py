@@ -54,6 +54,17 @@ def decode_append_off_by_one(q, k_cache, v_cache, k=None, v=None, cache_seqlens=
                    attended=lambda end, size: end + 1 if k is not None else end)
 
 
+@buggy("chunked-prefill-equals-one-shot", bug="takes the one-token decode path whenever the cache is not empty: no "
+       "causal mask inside a chunk", mistake="decode-chunk-unmasked", convention="decode")
+def decode_chunk_unmasked(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False):
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        out[b:b + 1] = _decode(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], None if k is None else k[b:b + 1],
+                               None if v is None else v[b:b + 1], cache_seqlens[b:b + 1],
+                               causal=causal and int(cache_seqlens[b]) == 0)
+    return out
+
+
 correct("merge", name="merge_state_reference")(load_target(f"{KERNELS}:merge_state"))
 correct("merge", name="merge_state_base2")(load_target(f"{KERNELS}:merge_state_base2"))
 
@@ -77,3 +88,61 @@ def merge_lse_is_max(v_a, s_a, v_b, s_b):
 
 
 correct("decode", name="cpu_flash_op_decode")(load_target(f"{KERNELS}:flash_cpu_decode"))
+
+
+def _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *, causal, read=None, order=None, write_page=None,
+           table_row=None):
+    """A paged decode kernel (a contiguous cache is a pool of one page per element) with one thing changeable: how
+    many rows it reads, the order of the pages read, the page a new row is written to, the table row it uses."""
+    B, S, H, D = q.shape
+    table = torch.arange(B, dtype=torch.int32)[:, None] if block_table is None else block_table  # [B, max_blocks]
+    P, out = k_cache.shape[1], torch.zeros_like(q)
+    for b in range(B):
+        start = int(cache_seqlens[b])
+        end = start + (S if k is not None else 0)
+        row = table[b] if table_row is None else table_row(table, b, -(-end // P))  # [pages]
+        for t in range(S if k is not None else 0):
+            page = int(row[(start + t) // P]) if write_page is None else write_page(row, start, P)
+            k_cache[page, (start + t) % P], v_cache[page, (start + t) % P] = k[b, t], v[b, t]
+        n = end if read is None else read(end, P)
+        rows = torch.arange(n)  # [n]
+        pages = (row if order is None else order(row[:-(-n // P)]))[rows // P].long()  # [n]
+        keys, values = k_cache[pages, rows % P].transpose(0, 1), v_cache[pages, rows % P].transpose(0, 1)  # [H, n, D]
+        scores = q[b].transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(D)  # [H, S, n]
+        if causal:
+            scores = scores.masked_fill(torch.arange(n)[None, :] > torch.arange(S)[:, None] + n - S, -math.inf)
+        out[b] = (torch.softmax(scores, dim=-1) @ values).transpose(0, 1)  # [S, H, D]
+    return out
+
+
+correct("decode", name="paged_decode_reference_kernel")(load_target(f"{KERNELS}:paged_decode_kernel"))
+
+
+@buggy("paged-outside-invariance", "paged-equals-contiguous", "cache-outside-invariance",
+       bug="reads the last page whole: its unfilled tail is attended (PyTorch #159247)", mistake="page-tail-read",
+       convention="decode")
+def paged_tail_read(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
+    return _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal,
+                  read=lambda end, page: -(-end // page) * page)
+
+
+@buggy("paged-equals-contiguous", bug="gathers each element's pages in physical order (sorted), not the table's",
+       mistake="paged-physical-order", convention="decode")
+def paged_physical_order(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
+    return _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal,
+                  order=lambda pages: pages.sort().values)
+
+
+@buggy("paged-append-writes-exactly", bug="writes every new row into the page of the first new row",
+       mistake="paged-append-first-page", convention="decode")
+def paged_append_first_page(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
+    return _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal,
+                  write_page=lambda row, start, page: int(row[start // page]))
+
+
+@buggy("paged-capacity-contract", bug="no bounds check: reads the block table as one flat array (flash-attn #2709)",
+       mistake="block-table-overrun", convention="decode")
+def paged_block_table_overrun(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                              causal=False):
+    return _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal,
+                  table_row=lambda table, b, pages: table.flatten()[b * table.shape[1]:b * table.shape[1] + pages])
