@@ -19,7 +19,7 @@ import torch
 import math
 
 from attn_spec.diagnosis.roots import Diagnosis
-from attn_spec.diagnosis.serving_paged import PAGED_MODELS
+from attn_spec.diagnosis.serving_paged import PAGED_MODELS, _correct_decode, _decoded  # shared with the paged models
 from attn_spec.targets.serving_decode import decode_reference, gather_pages, scatter_pages
 from attn_spec.targets.serving_merge import merge_reference
 
@@ -53,16 +53,6 @@ def serving_mistake(id: str, *, convention: str, sentence: str, fix: str, caught
         SERVING_MISTAKES[id] = ServingMistake(id, convention, fn, sentence, fix, tuple(caught_by), paged)
         return fn
     return register
-
-
-def _decoded(out, lse, k_after, v_after) -> dict:
-    return {"out": out, "k_after": k_after, "v_after": v_after}
-
-
-def _correct_decode(c):
-    return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
-                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"],
-                                      block_table=c.get("block_table")))
 
 
 def _correct_merge(c):
