@@ -319,6 +319,19 @@ def _ex_dropout() -> str:
     return "\n".join([_m("weights with q = k = 0 (4 keys)", torch.full((3, 4), 0.25, dtype=F64)),
                        _m("one draw of dropout_p = 0.25: kept weights are 0.25 / (1 - 0.25) = 1/3",
                           kept.to(F64) * (0.25 / 0.75))])
+def _ex_varlen() -> str:
+    from attn_spec.targets.serving_varlen import segment_mask, varlen_reference
+
+    mask = torch.zeros(3, 5, dtype=F64)  # a packed batch: sequence 0 is 2 queries over 3 keys, sequence 1 is 1 over 2
+    mask[:2, :3], mask[2:, 3:] = segment_mask(2, 3, causal=True).double(), segment_mask(1, 2, causal=True).double()
+    flat = reference.causal_mask(3, 5).double()
+    q, k, v = torch.zeros(3, 1, 1, dtype=F64), torch.zeros(5, 1, 1, dtype=F64), torch.arange(1.0, 6.0, dtype=F64)
+    out = [varlen_reference(q, k, v.reshape(5, 1, 1), cu_q, cu_k, causal=True, alignment=alignment)[0].flatten()
+           for cu_q, cu_k, alignment in (([0, 2, 3], [0, 3, 5], "bottom-right"), ([0, 3], [0, 5], "top-left"))]
+    return "\n".join([_m("cu_seqlens_q = [0, 2, 3], cu_seqlens_k = [0, 3, 5]: causal per sequence, bottom-right", mask),
+                      _m("causal over packed positions, cu_seqlens ignored: query 2 sees sequence 0's keys", flat),
+                      _m("out with q = 0 and V = [1, 2, 3, 4, 5], per sequence (each row the mean of the keys it sees)",
+                         out[0]), _m("the same with cu_seqlens ignored", out[1])])
 
 
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
@@ -327,7 +340,8 @@ EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, 
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
             "multihead": _ex_multihead, "window": _ex_window, "softcap": _ex_softcap, "mask-mod": _ex_mask_mod,
             "score-mod": _ex_score_mod, "decode": _ex_decode, "merge": _ex_merge,
-            "dropout": _ex_dropout}
+            "dropout": _ex_dropout,
+            "varlen": _ex_varlen}
 
 
 # Mistake models: ``attn-spec explain MISTAKE-ID`` (the catalog of attn_spec.diagnosis).

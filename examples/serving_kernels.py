@@ -4,18 +4,26 @@ from flash-attn's parameter names):
     attn-spec check examples/serving_kernels.py:decode_kernel
     attn-spec check examples/serving_kernels.py:sdpa_decode
     attn-spec check examples/serving_kernels.py:paged_decode_kernel
+    attn-spec check examples/serving_kernels.py:varlen_kernel
+    attn-spec check examples/serving_kernels.py:nested_sdpa_varlen
+    attn-spec check examples/serving_kernels.py:flex_varlen
 
 ``decode_kernel`` is a reference KV-cache decode kernel written plainly in torch; ``sdpa_decode`` is PyTorch's
 SDPA used as one, through the small adapter a serving stack writes: it appends k and v to the cache, slices
 the rows a sequence attends, and masks with ``causal_lower_right`` (SDPA's ``is_causal`` is aligned top-left,
 which is wrong for decoding). ``paged_decode_kernel`` takes flash-attn's ``block_table`` too: its caches are then a
 pool of pages [num_blocks, page, H_kv, D], element b's row r in page ``block_table[b, r // page]``.
+which is wrong for decoding). ``varlen_kernel`` is a reference packed-batch kernel with flash_attn_varlen_func's
+signature; ``nested_sdpa_varlen`` is SDPA on nested (jagged) tensors used as one, non-causal (SDPA takes no
+causal nested tensors); ``flex_varlen`` is FlexAttention in eager mode with a document mask, causal per sequence,
+returning its LSE.
 """
 import math
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens):
@@ -133,3 +141,85 @@ def flash_cpu_decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, so
         lses.append(lse)  # [1, H, S]
     out, lse = torch.cat(outs), torch.cat(lses)
     return (out, lse) if return_softmax_lse else out
+
+
+def varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), softcap=0.0, return_attn_probs=False):
+    """flash_attn_varlen_func's contract, one sequence at a time: q [T_q, H, D], k, v [T_k, H_kv, D]; causal and the
+    window (left, right) are aligned bottom-right per sequence; with return_attn_probs, (out, lse [H, T_q], None)."""
+    T_q, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # half-precision inputs accumulate in float32
+    left, right = window_size[0], 0 if causal else window_size[1]
+    out = q.new_zeros(T_q, H, v.shape[-1])  # [T_q, H, Dv]
+    lse = torch.full((H, T_q), -math.inf, dtype=torch.float32)  # [H, T_q]
+    for b in range(len(cu_seqlens_q) - 1):
+        rows, keys = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])), slice(int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1]))
+        group = H // k.shape[1]
+        k_b, v_b = (t[keys].repeat_interleave(group, 1).to(acc) for t in (k, v))  # [n_k, H, D]
+        scores = torch.einsum("shd,lhd->hsl", q[rows].to(acc), k_b) * scale  # [H, n_q, n_k]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        n_q, n_k = scores.shape[1:]
+        pos, j = torch.arange(n_q)[:, None] + (n_k - n_q), torch.arange(n_k)[None, :]  # query i sits at key pos
+        blocked = ((j > pos + right) if right >= 0 else False) | ((j < pos - left) if left >= 0 else False)
+        scores = scores.masked_fill(torch.as_tensor(blocked), -math.inf)
+        lse[:, rows] = torch.logsumexp(scores, dim=-1).float()  # [H, n_q]; -inf for a row with no key
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [H, n_q, n_k]; a row with no key gives 0
+        out[rows] = torch.einsum("hsl,lhd->shd", weights, v_b).to(q.dtype)  # [n_q, H, Dv]
+    return (out, lse, None) if return_attn_probs else out
+
+
+def nested_sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None):
+    """SDPA on nested (jagged) tensors as a varlen kernel: the packed sequences seen as [B, j, H, D] through their
+    offsets; non-causal only (SDPA has no causal path for nested tensors). A sequence with no queries or no keys
+    is left out of the call, its rows 0: in torch 2.13 SDPA on nested tensors raises on a sequence with queries
+    and no keys ("setStorage: ... out of bounds", or "to_padded_tensor: at least one constituent tensor should
+    have non-zero numel")."""
+    n_q, n_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()  # [B]
+    kept = ((n_q > 0) & (n_k > 0)).nonzero().flatten().tolist()
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])  # [T_q, H, Dv]
+    if not kept:
+        return out
+    rows = torch.cat([torch.arange(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])) for b in kept])  # [T_q']
+    keys = torch.cat([torch.arange(int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])) for b in kept])  # [T_k']
+    offsets = [torch.cat([n.new_zeros(1), n[kept].cumsum(0)]) for n in (n_q, n_k)]  # [B' + 1] each
+    nested = [torch.nested.nested_tensor_from_jagged(t, cu, max_seqlen=n).transpose(1, 2)
+              for t, cu, n in ((q[rows], offsets[0], max_seqlen_q), (k[keys], offsets[1], max_seqlen_k),
+                               (v[keys], offsets[1], max_seqlen_k))]  # [B', H, j, D]
+    found = F.scaled_dot_product_attention(*nested, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+    out[rows] = found.transpose(1, 2).values()  # [T_q', H, Dv]
+    return out
+
+
+def flex_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+                window_size=(-1, -1), return_softmax_lse=False):
+    """FlexAttention (eager) as a varlen kernel: one [1, H, T, D] call whose mask_mod keeps each query inside its
+    own sequence (a document mask from cu_seqlens), causal and the window aligned bottom-right per sequence; the
+    LSE returned [H, T_q]. An empty batch is answered without a call (Flex takes no zero-length sequence)."""
+    T_q, H, D = q.shape
+    T_k = k.shape[0]
+    if T_q == 0 or T_k == 0:
+        out, lse = q.new_zeros(T_q, H, v.shape[-1]), torch.full((H, T_q), -math.inf)  # [T_q, H, Dv], [H, T_q]
+        return (out, lse) if return_softmax_lse else out
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    doc_q = torch.searchsorted(cu_q, torch.arange(T_q), right=True) - 1  # [T_q]: the sequence of each query
+    doc_k = torch.searchsorted(cu_k, torch.arange(T_k), right=True) - 1  # [T_k]
+    shift = cu_k.diff() - cu_q.diff()  # [B]: n_k - n_q, where query 0 of each sequence sits
+    left, right = window_size[0], 0 if causal else window_size[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):  # same sequence, and key j of it within the window around pos
+        d = doc_q[q_idx]
+        pos = q_idx - cu_q[d] + shift[d]
+        j = kv_idx - cu_k[doc_k[kv_idx]]
+        ok = d == doc_k[kv_idx]
+        if right >= 0:
+            ok = ok & (j <= pos + right)
+        if left >= 0:
+            ok = ok & (j >= pos - left)
+        return ok
+    block = create_block_mask(mask_mod, 1, 1, T_q, T_k, device=q.device)  # Flex's own sparsity, from the mask
+    out, lse = flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=block, scale=softmax_scale,
+                              enable_gqa=H != k.shape[1], return_lse=True)
+    out = out[0].transpose(0, 1)  # [T_q, H, Dv]
+    return (out, lse[0]) if return_softmax_lse else out

@@ -73,6 +73,12 @@ class Case:
     layout: str = "contiguous"  # "heads": with batch dims [..., B, H], Q, K, V are views split from
     # [..., B, n, H, d] by view(B, n, H, d).transpose(1, 2), as models make heads (non-contiguous)
     kv_heads: int = 0  # grouped-query attention: K and V have this many heads on the last batch dim (0: as Q)
+    segments: tuple = ()  # a packed batch (the varlen convention): ((n_q, n_kv) of each sequence, ...), whose
+    #                       sums are n_q and n_kv; lengths may be 0. Empty: one dense batch
+
+    def __post_init__(self):  # a case read back from JSON has lists: kept as tuples (a case is hashable)
+        object.__setattr__(self, "batch", tuple(self.batch))
+        object.__setattr__(self, "segments", tuple(tuple(int(n) for n in pair) for pair in self.segments))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -123,6 +129,8 @@ class Case:
             parts.append(f"{self.mask} mask")
         if self.layout == "heads" and len(self.batch) >= 2:
             parts.append("heads split by view(B, n, H, d).transpose(1, 2)")
+        if self.segments:
+            parts.append(f"packed segments (n_q, n_kv) {' '.join(f'({q}, {k})' for q, k in self.segments)}")
         return ", ".join(parts)
 
 

@@ -2,7 +2,9 @@
 
 A shape is ``B,H,N,D`` (self-attention: B sequences of H heads, N positions, head dim D) or
 ``B,H,HKV,NQ,NKV,D`` (grouped-query attention with HKV key/value heads, cross attention with
-NQ queries over NKV keys). A *rung* is one shape in one dtype on one device.
+NQ queries over NKV keys). For a varlen kernel the same shape is a packed batch: B sequences of up to NQ
+queries over up to NKV keys (lengths drawn from the seed, the first sequence the longest; ``packed_case``).
+A *rung* is one shape in one dtype on one device.
 
 How a fixed shape flows through the catalog: each property says in ``@prop(at_scale=...)``
 whether it makes sense at any size, and with which cases there (mask kinds; grouped K/V). For
@@ -15,6 +17,8 @@ snippet rebuilds that case. Small sizes stay the drawn profiles' job.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from attn_spec.checking.cases import Case, MhaCase, available_devices
 from attn_spec.errors import KitUsageError
@@ -116,6 +120,8 @@ def fixed_cases(prop, convention: str, rung: Rung, seed: int) -> list | str:
         return [MhaCase(n_q=s.n_q, n_kv=s.n_kv, d_model=s.heads * s.d, n_heads=s.heads, mask=mask,
                         seed=seed + i, **common)
                 for i, mask in enumerate(m for m in options.get("masks", ("none",)) if m in ("none", "causal"))]
+    if options.get("segments"):  # a packed batch (the varlen convention): B sequences of up to NQ, NKV tokens
+        return [packed_case(s, rung, seed)]
     kv_heads = 0
     if options.get("grouped"):
         if s.kv_heads == s.heads:
@@ -125,3 +131,15 @@ def fixed_cases(prop, convention: str, rung: Rung, seed: int) -> list | str:
     return [Case(batch=(s.batch, s.heads), n_q=s.n_q, n_kv=s.n_kv, d_k=s.d, d_v=s.d, values="normal", mask=mask,
                  seed=seed + i, kv_heads=kv_heads, **common)
             for i, mask in enumerate(options.get("masks", ("none",)))]
+
+
+def packed_case(shape: Shape, rung: Rung, seed: int) -> Case:
+    """A shape read as a packed batch for the varlen convention: B sequences of H query heads (HKV key/value heads)
+    whose lengths are drawn from the seed, n_q in [1, NQ] and n_kv in [1, NKV], the first sequence the longest
+    (max_seqlen_q = NQ, max_seqlen_k = NKV)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_q = [shape.n_q] + torch.randint(1, shape.n_q + 1, (shape.batch - 1,), generator=gen).tolist()
+    n_kv = [shape.n_kv] + torch.randint(1, shape.n_kv + 1, (shape.batch - 1,), generator=gen).tolist()
+    return Case(batch=(shape.heads,), n_q=sum(n_q), n_kv=sum(n_kv), d_k=shape.d, d_v=shape.d, values="normal",
+                seed=seed, kv_heads=shape.kv_heads if shape.kv_heads != shape.heads else 0,
+                segments=tuple(zip(n_q, n_kv)), dtype=rung.dtype, device=rung.device)

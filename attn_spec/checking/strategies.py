@@ -85,7 +85,7 @@ def checked(values, allowed, what):
 def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
           masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
           min_n_kv: int = 1, square: bool = False, same_width: bool = False,
-          max_length: int | None = None) -> st.SearchStrategy[Case]:
+          max_length: int | None = None, segments: bool = False) -> st.SearchStrategy[Case]:
     """Attention cases for one profile.
 
     - ``dtypes``: dtype names drawn from, first one preferred when shrinking (default all four).
@@ -97,6 +97,9 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     - ``min_n_kv``: the fewest keys (probes that compare two keys need 2).
     - ``square``: n_kv = n_q (for targets that do self-attention only); ``same_width``: d_v = d_k.
     - ``max_length``: n_q and n_kv at most this (a target's probed max length: a fixed position buffer).
+    - ``segments``: a packed batch of 1 to 4 sequences (the varlen convention), each (n_q, n_kv) drawn like
+      the lengths but from 0 up (an empty sequence, or one with no key, is a case of its own); n_q and n_kv
+      are their sums.
 
     Examples shrink towards one query, one key, width 1, float64, integer entries.
     """
@@ -118,6 +121,9 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
         "values": st.sampled_from(["integers", "normal"]), "magnitude": st.sampled_from(prof.magnitudes),
         "mask": st.sampled_from(list(masks)), "seed": st.integers(0, 2**16),
         "layout": st.sampled_from(["contiguous", "heads"])})
+    segment = {big: st.tuples(s, s) for big, s in ((False, st.integers(0, prof.small)),
+                                                     (True, st.one_of(st.integers(0, prof.small), length)))}
+    packed = {big: st.lists(segment[big], min_size=1, max_size=4).map(tuple) for big in (False, True)}
 
     @st.composite
     def draw(draw_):
@@ -140,6 +146,9 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
         if max_length is not None:
             n_q, n_kv = min(n_q, max_length), min(n_kv, max_length)
         fields = draw_(rest)
+        if segments:
+            fields["segments"] = draw_(packed[large])
+            n_q, n_kv = (sum(pair[i] for pair in fields["segments"]) for i in (0, 1))
         if len(fields["batch"]) < 2:
             fields["layout"] = "contiguous"  # the heads layout needs [..., B, H, n, d]
         return Case(n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v, **fields)

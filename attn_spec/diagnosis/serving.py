@@ -22,6 +22,7 @@ from attn_spec.diagnosis.roots import Diagnosis
 from attn_spec.diagnosis.serving_paged import PAGED_MODELS, _correct_decode, _decoded  # shared with the paged models
 from attn_spec.targets.serving_decode import decode_reference, gather_pages, scatter_pages
 from attn_spec.targets.serving_merge import merge_reference
+from attn_spec.targets.serving_varlen import varlen_reference
 
 SERVING_MISTAKES: dict[str, "ServingMistake"] = {}
 
@@ -60,7 +61,15 @@ def _correct_merge(c):
     return {"v": v, "s": s}
 
 
-CORRECT = {"decode": _correct_decode, "merge": _correct_merge}
+def _varlen(c, **change) -> dict:
+    """varlen_reference on one recorded call, with ``change`` (cu_q, cu_k, alignment, key_shift) made to it."""
+    args = {"cu_q": c["cu_q"], "cu_k": c["cu_k"], **change}
+    out, _ = varlen_reference(c["q"], c["k"], c["v"], args.pop("cu_q"), args.pop("cu_k"), causal=c["causal"],
+                              window=c["window"], scale=c["scale"], softcap=c["softcap"], **args)
+    return {"out": out}
+
+
+CORRECT = {"decode": _correct_decode, "merge": _correct_merge, "varlen": _varlen}
 
 
 @serving_mistake("decode-causal-top-left", convention="decode",
@@ -138,6 +147,46 @@ def merge_lse_max(c):
 
 for _id, _fn, _words in PAGED_MODELS:  # the paged decode models, after the contiguous ones
     serving_mistake(_id, convention="decode", paged=True, **_words)(_fn)
+@serving_mistake("varlen-causal-top-left", convention="varlen",
+                 sentence="causal (and the window) is aligned top-left in each sequence: query i sees keys 0..i of its "
+                          "sequence, not the keys up to i + n_k - n_q",
+                 fix="align per sequence bottom-right: query i of a sequence of n_q queries over n_k keys sits at key "
+                     "position i + n_k - n_q (flash-attn's construct_local_mask)",
+                 caught_by=("varlen-equals-per-sequence",))
+def varlen_causal_top_left(c):
+    return _varlen(c, alignment="top-left")
+
+
+@serving_mistake("varlen-segments-ignored", convention="varlen",
+                 sentence="cu_seqlens is ignored: one attention over the whole packed batch (under causal, a triangle "
+                          "over packed positions), so every query attends the keys of other sequences",
+                 fix="attend sequence b's queries to keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]) only: one call per "
+                     "segment, or a block-diagonal (document) mask, with causal per sequence",
+                 caught_by=("segment-isolation", "varlen-equals-per-sequence", "varlen-degenerate-lengths"))
+def varlen_segments_ignored(c):
+    T_q, T_k = c["q"].shape[0], c["k"].shape[0]
+    return _varlen(c, cu_q=[0, T_q], cu_k=[0, T_k], alignment="top-left")
+
+
+@serving_mistake("varlen-cu-seqlens-off-by-one", convention="varlen",
+                 sentence="the key offsets are read one row late: sequence b attends rows [cu_seqlens_k[b] + 1, "
+                          "cu_seqlens_k[b + 1] + 1), losing its first key and taking the next sequence's first",
+                 fix="sequence b's keys are rows cu_seqlens_k[b] (inclusive) to cu_seqlens_k[b + 1] (exclusive)",
+                 caught_by=("varlen-equals-per-sequence", "segment-isolation", "varlen-degenerate-lengths"))
+def varlen_cu_seqlens_off_by_one(c):
+    return _varlen(c, key_shift=1)
+
+
+@serving_mistake("varlen-empty-row-nan", convention="varlen",
+                 sentence="a query with no key to attend (a sequence with no keys, or causal over fewer keys than "
+                          "queries) gets NaN: the softmax of an empty row, exp(-inf - max) / 0, is not guarded",
+                 fix="give a row with no key the output 0 (and LSE -inf): weights 0 where the row's max is -inf",
+                 caught_by=("varlen-degenerate-lengths", "varlen-equals-per-sequence"))
+def varlen_empty_row_nan(c):
+    out = _varlen(c)["out"]
+    _, lse = varlen_reference(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], causal=c["causal"], window=c["window"],
+                              scale=c["scale"], softcap=c["softcap"])  # [H, T_q]
+    return {"out": out.masked_fill(torch.isneginf(lse).t()[..., None], math.nan)}
 
 
 def _same(got, model, dtype) -> bool:
@@ -207,7 +256,7 @@ def lesson(mistake_id: str) -> str:
     source = inspect.getsource(m.fn)
     code = source[source.index("\ndef ") + 1:]  # without the decorator
     return (f"{m.id} ({m.convention} convention)\n\nWhat the wrong kernel does\n  {m.sentence}\n\nThe fix\n  {m.fix}\n\n"
-            f"The wrong kernel, as the kit models it (a change of decode_reference)\n"
+            f"The wrong kernel, as the kit models it (a change of the correct kernel's reference)\n"
             + "".join(f"  {line}\n" for line in code.rstrip().splitlines()) +
             f"\nHow the kit recognises it\n  Each failing property is replayed on its minimal case with every call into "
             f"the kernel kept; {m.id} is named when it reproduces every kept call (outputs within a few units in the "

@@ -26,6 +26,7 @@ CALLS = {
     "score-mod": ("score_mod(score, b, h, q_idx, kv_idx)", 5, ()),
     "decode": ("fn(q, k_cache, v_cache, ...), the rest by name (cache_seqlens=, k=, v=, block_table=, causal=, ...)", 3, ()),
     "merge": ("merge_state(v_a, s_a, v_b, s_b)", 4, ()),
+    "varlen": ("fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...), the options by name", 7, ()),
 }
 BUILD = "Cls(d_model, n_heads)"
 FORWARD = "module(x_q, x_kv), and module(x_q, x_kv, mask) with a mask"

@@ -146,3 +146,62 @@ def paged_block_table_overrun(q, k_cache, v_cache, k=None, v=None, cache_seqlens
                               causal=False):
     return _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal,
                   table_row=lambda table, b, pages: table.flatten()[b * table.shape[1]:b * table.shape[1] + pages])
+def _varlen(q, k, v, cu_q, cu_k, *, causal, top_left=False, key_shift=0, ignore_segments=False, nan_empty=False):
+    """A varlen kernel with one thing changeable: the causal alignment, the key offsets, whether cu_seqlens is read
+    at all, and whether a row with no key is guarded."""
+    if ignore_segments:  # the whole packed batch as one sequence, causal over packed positions
+        cu_q, cu_k, top_left = [0, q.shape[0]], [0, k.shape[0]], True
+    out = torch.zeros_like(q)  # [T_q, H, D]
+    for b in range(len(cu_q) - 1):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(min(int(cu_k[b]) + key_shift, k.shape[0]), min(int(cu_k[b + 1]) + key_shift, k.shape[0]))
+        scores = q[rows].transpose(0, 1) @ k[keys].permute(1, 2, 0) / math.sqrt(q.shape[-1])  # [H, n_q, n_k]
+        n_q, n_k = scores.shape[1:]
+        if causal:
+            offset = 0 if top_left else n_k - n_q
+            scores = scores.masked_fill(torch.arange(n_k)[None, :] > torch.arange(n_q)[:, None] + offset, -math.inf)
+        weights = torch.softmax(scores, dim=-1)  # NaN for a row with no key
+        weights = weights if nan_empty else weights.nan_to_num(0.0)
+        out[rows] = (weights @ v[keys].transpose(0, 1)).transpose(0, 1) if n_k else (math.nan if nan_empty else 0.0)
+    return out
+
+
+correct("varlen", name="varlen_reference_kernel")(load_target(f"{KERNELS}:varlen_kernel"))
+correct("varlen", name="nested_tensor_sdpa_varlen")(load_target(f"{KERNELS}:nested_sdpa_varlen"))
+
+
+def varlen_attn_names(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                      window_size=(-1, -1)):
+    """PyTorch's varlen_attn signature (causal is window_size=(-1, 0)), the LSE returned [T_q, H] as its docstring
+    says: the reference kernel underneath."""
+    kernel = load_target(f"{KERNELS}:varlen_kernel")
+    found = kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale, window_size=window_size,
+                   return_attn_probs=bool(return_aux is not None and return_aux.lse))
+    return (found[0], found[1].t()) if isinstance(found, tuple) else found
+
+
+correct("varlen", name="varlen_attn_signature")(varlen_attn_names)
+
+
+@buggy("segment-isolation", "varlen-equals-per-sequence", bug="cu_seqlens ignored: one attention over the packed batch "
+       "(HunyuanVideo PR #310)", mistake="varlen-segments-ignored", convention="varlen")
+def varlen_segments_ignored(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, ignore_segments=True)
+
+
+@buggy("varlen-equals-per-sequence", bug="causal aligned top-left in each sequence", mistake="varlen-causal-top-left",
+       convention="varlen")
+def varlen_top_left(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, top_left=True)
+
+
+@buggy("varlen-equals-per-sequence", "segment-isolation", bug="key offsets read one row late (cu_seqlens_k + 1)",
+       mistake="varlen-cu-seqlens-off-by-one", convention="varlen")
+def varlen_keys_off_by_one(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, key_shift=1)
+
+
+@buggy("varlen-degenerate-lengths", bug="a row with no key gets NaN (softmax of an empty row unguarded)",
+       mistake="varlen-empty-row-nan", convention="varlen")
+def varlen_nan_on_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, nan_empty=True)
