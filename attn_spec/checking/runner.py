@@ -25,8 +25,7 @@ from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, PlatformDefect, TargetRaised, Uninformative, Unsupported
 from attn_spec.checking.platform import judge
-from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
-from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
+from attn_spec.report import Counterexample, PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.strategies import get_profile
 from attn_spec.diagnosis.evidence import differs, record
@@ -54,29 +53,20 @@ def _snippet(prop: Property, case, target: Target, seed: int) -> str:
             f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keywords})")
 
 
-def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> dict:
-    index = worst_index(failure.got, failure.expected)
-    labels = list(failure.labels or ("the target's result", "the float64 reference"))
-    ce = {"case": dataclasses.asdict(case), "summary": failure.summary or case.summary(),
-          "got": tensor_to_data(failure.got), "expected": tensor_to_data(failure.expected),
-          "got_text": None if failure.got is None else format_matrix(failure.got, index=index),
-          "expected_text": None if failure.expected is None else format_matrix(failure.expected, index=index),
-          "labels": labels, "slice": list(index), "nonfinite_both": nonfinite_both(failure.got, failure.expected),
-          "seed": seed, "reproduce": _snippet(prop, case, target, seed)}
+def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> Counterexample:
+    """What the failure showed, as data (the report's renderers write it)."""
+    labels = failure.labels or ("the target's result", "the float64 reference")
     inputs = failure.inputs or ({} if failure.summary else _inputs(case))  # a mod's counterexample has no Q, K, V
+    summary = failure.summary or case.summary()
     if failure.inputs:
-        ce["summary"] = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
-    ce["inputs"] = {name: tensor_to_data(t, limit=64) for name, t in inputs.items()}
-    ce["inputs_text"] = inputs_text(inputs)
-    if isinstance(failure, TargetRaised):
-        ce["traceback"] = failure.user_traceback
+        summary = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
     mask = failure.mask  # the allowed pattern a property chose to show (a window, a mask_mod)
-    if mask is None:
-        mask = inputs.get("mask") if "weights" in labels[0] and isinstance(failure.got, torch.Tensor) else None
-    if mask is not None and mask.dtype == torch.bool and mask.shape[-2:] == failure.got.shape[-2:]:
-        with contextlib.suppress(RuntimeError):  # batch dims that do not broadcast: no mask shown
-            ce["mask"] = tensor_to_data(mask.expand(failure.got.shape))  # True = may attend, for the heatmaps
-    return ce
+    if mask is None and "weights" in labels[0] and isinstance(failure.got, torch.Tensor):
+        mask = inputs.get("mask")
+    return Counterexample.of(case=dataclasses.asdict(case), summary=summary, got=failure.got,
+                             expected=failure.expected, labels=labels, inputs=inputs, seed=seed,
+                             reproduce=_snippet(prop, case, target, seed), mask=mask,
+                             traceback=failure.user_traceback if isinstance(failure, TargetRaised) else None)
 
 
 def _inputs(case) -> dict:

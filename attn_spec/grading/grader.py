@@ -163,8 +163,9 @@ class Grader:
         """The graded row: ``result`` (or a bare one with ``message``) under ``status``, with its points."""
         result = result or PropertyResult(prop.id, status, message=message)
         fields = {f: getattr(result, f) for f in PropertyResult.__dataclass_fields__}
-        fields.update(status=status, statement=prop.statement, seconds=round(result.seconds, 3),
-                      case=None)  # the case is in the counterexample; grades hold plain data only
+        fields.update(status=status, statement=prop.statement, seconds=round(result.seconds, 3), case=None,
+                      counterexample=result.counterexample and dict(result.counterexample))  # grades hold plain
+        # data only (the counterexample as the JSON report writes it; the case is in it)
         return PropertyGrade(**fields, convention=conv, max_points=self.rubric.conventions[conv].points_for(prop.id))
 
     def _load(self, grade: Grade, child, sub: Submission) -> dict | None:
