@@ -63,7 +63,8 @@ def gradients(target, case):
         fail("NaN or inf", what=names, expected="finite values, as the reference gradients are", call=VJP,
              cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
                    f"does not mask (0 * NaN), or divides by a zero sum",
-             got=grads[bad[0]], expected_tensor=expected[bad[0]])
+             got=grads[bad[0]], expected_tensor=expected[bad[0]],
+             labels=(f"the target's {NAMES[bad[0]]}", f"{NAMES[bad[0]]} of the float64 reference"))
     if case.mask == "causal" and case.n_kv > 1:
         _no_gradient_from_the_future(target, case, grad_out, allowed)
     errors = [max_error(g, e) for g, e in zip(grads, expected)]
@@ -73,7 +74,8 @@ def gradients(target, case):
         fail(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'}; max error of "
              f"{NAMES[i]} {errors[i]:.3g}", what="the gradients against the float64 reference", budget=allowed[i],
              call=VJP, cause=_diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
-             got=grads[i], expected_tensor=expected[i])
+             got=grads[i], expected_tensor=expected[i],
+             labels=(f"the target's {NAMES[i]}", f"{NAMES[i]} of the float64 reference"))
     if case.dtype == "float64":
         _finite_differences(target, case, grad_out, grads)
 
@@ -103,7 +105,8 @@ def _no_gradient_from_the_future(target, case, grad_out, allowed):
              what=f"the gradients of keys >= {s} (the future of queries < {s}) with a gradient on queries < {s} only",
              budget=allowed[1] if leak_k > allowed[1] else allowed[2], call=VJP + " zero on queries >= " + str(s),
              cause="the backward ignores the causal mask (weights recomputed without it?)",
-             got=leaked, expected_tensor=torch.zeros_like(leaked))
+             got=leaked, expected_tensor=torch.zeros_like(leaked),
+             labels=(f"the target's {'dK' if leak_k > allowed[1] else 'dV'} at keys >= {s}", "zeros"))
 
 
 def _diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected):

@@ -61,7 +61,7 @@ class Counterexample(Mapping):
     shape, or None; ``has_mask``: whether one applies at all. Read as a mapping it is :meth:`to_dict` (old
     code reading ``ce["reproduce"]`` keeps working)."""
     case: dict
-    summary: str
+    summary: str | dict  # what the case was, in words, or its sizes by name (a mod's B, H, S_q, S_kv)
     got: Matrix | None
     expected: Matrix | None
     labels: tuple
@@ -97,10 +97,17 @@ class Counterexample(Mapping):
                    None if expected is None else Matrix.of(expected, element), tuple(labels), element, shown,
                    seed, reproduce, nonfinite_both(got, expected), kept, has_mask, traceback)
 
+    @property
+    def described(self) -> str:
+        """The case in words: ``summary``, or its sizes written ``B=1, H=2, ...``."""
+        if isinstance(self.summary, dict):
+            return ", ".join(f"{name}={value}" for name, value in self.summary.items())
+        return self.summary
+
     def to_dict(self) -> dict:
         """The JSON report's form (its fields are public: the rendered matrices included)."""
         if not self.rendered:
-            data = {"case": self.case, "summary": self.summary,
+            data = {"case": self.case, "summary": self.described,
                     "got": self.got and self.got.data, "expected": self.expected and self.expected.data,
                     "got_text": self.got and format_matrix(self.got),
                     "expected_text": self.expected and format_matrix(self.expected),

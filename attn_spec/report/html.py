@@ -117,7 +117,7 @@ def _failure(p) -> str:
         parts.append(f"<p><b>likely cause:</b> {escape(p.cause)}</p>")
     ce = p.counterexample and Counterexample.from_dict(p.counterexample)
     if ce:
-        parts.append(f"<p><b>counterexample</b> ({escape(ce.summary)}):</p>")
+        parts.append(f"<p><b>counterexample</b> ({escape(ce.described)}):</p>")
         shown = inputs_text(ce)
         if shown:
             parts.append(f"<pre>inputs:\n{escape(shown)}</pre>")

@@ -100,11 +100,15 @@ def columns(blocks: list[str], titles: list[str], gap: int = 4) -> str:
 
 
 def side_by_side(blocks: list[str], titles: list[str]) -> str:
-    """``columns`` when they fit in WIDTH, else each block under its title, one after the other."""
-    joined = columns(blocks, titles)
-    if max(map(width_of, joined.splitlines())) <= WIDTH:
-        return joined
-    return "\n".join(f"{title}\n{block}" for title, block in zip(titles, blocks))
+    """Blocks side by side under their titles, as many to a row as fit in WIDTH columns (at least one)."""
+    rows, row = [], []
+    for block, title in zip(blocks, titles):
+        if row and max(map(width_of, columns(*zip(*(row + [(block, title)]))).splitlines())) > WIDTH:
+            rows.append(row)
+            row = []
+        row.append((block, title))
+    rows.append(row)
+    return "\n".join(columns(list(b), list(t)) for b, t in (zip(*row) for row in rows if row))
 
 
 def inputs_text(ce) -> str:

@@ -216,7 +216,7 @@ def counterexample_lines(ce, w: Writer, colour: bool = False, *, untrusted: bool
     """A counterexample: what the case was, its inputs (the failing element), got beside expected, each
     labelled with what it really is."""
     ce = Counterexample.from_dict(ce)
-    summary = ce.summary if ce.summary.startswith("the call") else f"the case: {ce.summary}"
+    summary = ce.described if ce.described.startswith("the call") else f"the case: {ce.described}"
     lines = [f"{w.item}counterexample ({w.said(summary, untrusted)}):"]
     blocks = []
     if ce.inputs:
