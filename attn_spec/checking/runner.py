@@ -33,9 +33,10 @@ from attn_spec.diagnosis.run import diagnose_report
 from attn_spec.diagnosis.serving import diagnose_serving
 
 
-def _snippet(prop: Property, case, target: Target, seed: int, call: str = "") -> str:
+def _snippet(prop: Property, case, target: Target, seed: int, call: str = "", own: bool = True) -> str:
     """The copy-paste reproduction: the CLI line, the case, its tensors as the target got them (the mask and a
-    module's projection weights named), the call that failed, and ``attn_spec.reproduce``."""
+    module's projection weights named; ``own``: the failing call took the case's own tensors, not a probe's),
+    the call that failed, and ``attn_spec.reproduce``."""
     fields = ", ".join(f"{f.name}={getattr(case, f.name)!r}" for f in dataclasses.fields(case)
                        if getattr(case, f.name) != f.default)
     kind = type(case).__name__
@@ -51,7 +52,7 @@ def _snippet(prop: Property, case, target: Target, seed: int, call: str = "") ->
     keywords = "".join(f", {key}={value!r}" for key, value in options.items())
     return (f"# attn-spec check {target.name} --only {prop.id} --seed {seed}{flags}\n"
             f"import attn_spec\nfrom attn_spec.cases import {kind}\n"
-            f"case = {kind}({fields})\n{_tensors_line(case, target)}"
+            f"case = {kind}({fields})\n{_tensors_line(case, target) if own else ''}"
             + (f"# the call that failed: {call}\n" if call else "") +
             f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keywords})")
 
@@ -85,7 +86,8 @@ def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> 
         mask = inputs.get("mask")
     return Counterexample.of(case=dataclasses.asdict(case), summary=summary, got=failure.got,
                              expected=failure.expected, labels=labels, inputs=inputs, seed=seed,
-                             reproduce=_snippet(prop, case, target, seed, failure.call), mask=mask,
+                             reproduce=_snippet(prop, case, target, seed, failure.call, own=not failure.inputs),
+                             mask=mask,
                              traceback=failure.user_traceback if isinstance(failure, TargetRaised) else None)
 
 

@@ -55,7 +55,7 @@ def _colour(x: float, lo: float, hi: float) -> tuple[str, str]:
     return f"rgb({r},{g},{b})", "#fff" if t > 0.55 else "#000"
 
 
-def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None) -> str:
+def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None, size=None) -> str:
     """One matrix as a coloured table; ``mask`` (True = may attend) hatches masked cells, ``other``
     (the matrix to compare with) outlines cells that differ from it."""
     cells = []
@@ -78,7 +78,7 @@ def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None) 
             cls = f' class="{" ".join(classes)}"' if classes else ""
             tds.append(f"<td{cls}{style} title=\"[{i}, {j}] = {x}\">{escape(f'{x:.3g}' if isinstance(x, float) else str(x))}</td>")
         cells.append("<tr>" + "".join(tds) + "</tr>")
-    shape = f"{len(rows)}×{len(rows[0])}"
+    shape = "×".join(map(str, size or (len(rows), len(rows[0]))))  # the whole matrix's, where rows are its corner
     return f'<table class="heat"><caption>{escape(caption)} [{shape}]</caption>{"".join(cells)}</table>'
 
 
@@ -86,7 +86,7 @@ def _finite(*matrices) -> list[float]:
     return [x for m in matrices if m for row in m for x in row if isinstance(x, (int, float)) and math.isfinite(x)]
 
 
-def heatmaps(ce: dict) -> str:
+def heatmaps(ce) -> str:
     """Got beside expected (the slice that fails), on one colour scale, with differing cells outlined and,
     when the matrices are weights, masked cells hatched."""
     ce = Counterexample.from_dict(ce)
@@ -99,9 +99,11 @@ def heatmaps(ce: dict) -> str:
     where = f" {list(index)}" if index else ""
     values = _finite(got, expected) or [0.0, 1.0]
     lo, hi = min(values + [0.0]), max(values)
-    maps = [heatmap(got, f"got{where}: {labels[0]}", lo=lo, hi=hi, mask=mask, other=expected)]
+    maps = [heatmap(got, f"got{where}: {labels[0]}", lo=lo, hi=hi, mask=mask, other=expected,
+                    size=(ce.got.rows, ce.got.cols))]
     if expected is not None:
-        maps.append(heatmap(expected, f"expected{where}: {labels[1]}", lo=lo, hi=hi, mask=mask))
+        maps.append(heatmap(expected, f"expected{where}: {labels[1]}", lo=lo, hi=hi, mask=mask,
+                            size=(ce.expected.rows, ce.expected.cols)))
     legend = (f'<p class="legend">colour: {lo:.3g} (white) to {hi:.3g} (dark blue); red outline: differs from the '
               f'expected value; {"hatched: masked out; " if mask else ""}orange: NaN or inf</p>')
     if ce.nonfinite_both:
