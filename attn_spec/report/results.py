@@ -19,10 +19,6 @@ class Status(enum.StrEnum):
     ERROR = "error"  # a bug of the kit's own (its traceback in the message), never hidden
     SKIP = "skip"  # not checked, and the message says why
     NOT_RUN = "not-run"  # -x stopped before it
-    # the grader's rows only (attn_spec.grading.grader.PropertyGrade)
-    NOT_APPLICABLE = "n/a"
-    BAD_OUTPUT = "bad-output"
-    MISSING = "missing"
 
 
 @dataclass
@@ -45,8 +41,13 @@ class PropertyResult:
 
     def __setattr__(self, name, value):
         if name == "status":
-            value = Status(value)
+            value = self.read_status(value)
         super().__setattr__(name, value)
+
+    @classmethod
+    def read_status(cls, value) -> Status:
+        """``value`` as a Status (a string that names none raises ValueError: a typo is a bug, never a verdict)."""
+        return Status(value)
 
     def to_dict(self) -> dict:
         ce = self.counterexample
