@@ -41,8 +41,9 @@ class Failure(AttnSpecError, AssertionError):
     """
 
     def __init__(self, message: str, *, cause: str = "", got=None, expected=None, labels=None, inputs=None, mask=None,
-                 summary: str = "", vacuous: bool = False):
+                 summary: str | dict = "", vacuous: bool = False, call: str = ""):
         super().__init__(message)
+        self.call = call  # the call of the target that failed, as the user would write it (the reproduce snippet's)
         self.message, self.cause, self.got, self.expected = message, cause, got, expected
         self.labels = labels  # (what got is, what expected is), e.g. ("weights read with V = identity", ...)
         self.inputs = inputs  # name -> tensor: the inputs of the call shown, when they are not the case's

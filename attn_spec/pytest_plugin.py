@@ -255,7 +255,7 @@ class PropertyItem(_AttnItem):
         from attn_spec.checking.catalog import REGISTRY
         from attn_spec.checking.runner import run_property
         from attn_spec.diagnosis.run import diagnose_one
-        from attn_spec.report.text import failure_text
+        from attn_spec.report import render
 
         c = self.checker
         target = c.targets[self.key]
@@ -281,7 +281,7 @@ class PropertyItem(_AttnItem):
                     note = (f"note: {named[diagnosis.mistake]} already failed on this target with the same root "
                             f"({diagnosis.mistake}): fix that first")
                 named.setdefault(diagnosis.mistake, self.prop.id)
-            self.fail(failure_text(result, diagnosis), self.prop.id, note)
+            self.fail(render(result, "text", diagnosis=diagnosis, traceback=True), self.prop.id, note)
 
 
 class RequirementItem(_AttnItem):

@@ -39,12 +39,13 @@ def mask_ignoring_polarity(Q, K, V, mask=None):
 
 def build_report_html() -> str:
     import attn_spec
+    from attn_spec.report import render
     from attn_spec.targets.loading import load_target
 
     buggy = load_target(f"{REPO / 'examples' / 'buggy_attention.py'}:attention")
     report = attn_spec.check(mask_ignoring_polarity, buggy, profile="quick", seed=3, devices=["cpu"],
                              only=["rows-sum-to-one", "scale-sqrt-dk", "causal-mask"])
-    return report._repr_html_()
+    return render(report, "html")
 
 
 def png_pixels(data: bytes) -> tuple[int, int, set]:

@@ -28,7 +28,7 @@ from attn_spec.checking.runner import run_property
 from attn_spec.diagnosis.run import diagnose_one
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import KitUsageError
-from attn_spec.report.text import failure_text
+from attn_spec.report import render
 from attn_spec.settings import did_you_mean
 from attn_spec.targets.conventions import Target, make_target, parse_masks
 
@@ -95,5 +95,5 @@ def check_property(property_id: str, target, *, convention=None, profile="defaul
     result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=dtypes,
                           devices=list(devices or available_devices()))
     if result.status in ("fail", "error"):
-        raise AssertionError(failure_text(result, diagnose_one(adapter, result, REGISTRY)))
+        raise AssertionError(render(result, "text", diagnosis=diagnose_one(adapter, result, REGISTRY), traceback=True))
     return result

@@ -13,7 +13,7 @@ from attn_spec.checking import probes
 from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.checking.assertions import assert_close, fail
+from attn_spec.checking.assertions import assert_close, fail, with_mask
 from attn_spec.errors import Failure, Uninformative, Unsupported
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 from attn_spec.diagnosis.numbers import masked_share, name_scale, weight_factor
@@ -119,7 +119,8 @@ def causal_mask(target, case):
                  what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
                  call="attention(Q, K', V', causal mask)",
                  cause="the output reads the future even though the weights look causal",
-                 labels=("the outputs with the future keys and values changed", "the outputs before the change"))
+                 labels=("the outputs with the future keys and values changed",
+                         "the target's own outputs before the change (the keys and values as drawn)"))
 
 
 def _causal_weights(target, case, q, k, mask):
@@ -202,7 +203,7 @@ def permutation_equivariance(target, case):
     require_responsive(target, case)
     gen = torch.Generator().manual_seed(case.seed)
     p, s = _shuffle(case.n_q, gen), _shuffle(case.n_kv, gen)
-    moved = ("the output on permuted inputs", "the first output, permuted")
+    moved = ("the output on permuted inputs", "the target's own output on the inputs as drawn, its rows permuted")
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
         if case.n_q < 2 and (case.self_attention or case.n_kv < 2):
@@ -240,12 +241,13 @@ def permutation_equivariance(target, case):
         # padding [..., 1, Tk]: the same for every query
         assert_close(got, out[..., p, :], budget=allowed,
                      what=f"the output for the queries permuted by {p.tolist()} against the permuted output rows",
-                     call=f"{name}(Q[p], {kv})", labels=moved, cause=f"outputs depend on query positions ({where})")
+                     call=f"{name}(Q[p], {kv}{with_mask(mask)})", labels=moved, cause=f"outputs depend on query positions ({where})")
     shuffled = keys[..., s, :] if isinstance(keys, torch.Tensor) else tuple(t[..., s, :] for t in keys)
     got = run(queries, shuffled, None if mask is None else mask[..., :, s])
     assert_close(got, out, budget=allowed,
                  what=f"the output for keys and values permuted together by {s.tolist()} against the output",
-                 call=f"{name}(Q, {kv_permuted})", labels=("the output on permuted keys and values", "the first output"),
+                 call=f"{name}(Q, {kv_permuted}{with_mask(mask, 'mask[:, s]')})",
+                 labels=("the output on permuted keys and values", "the target's own output on them as drawn"),
                  cause="outputs depend on key positions (a built-in mask or positional term?)")
 
 

@@ -83,6 +83,7 @@ def decode_equals_full_causal(target, case):
             assert_close(out[b].transpose(0, 1), ref,
                          budget=budget(q_b, k_b, v_b, None, ref, causal=True, causal_alignment="bottom-right"),
                          what="the decoded rows vs the last rows of full causal attention", call=call,
+                         inputs={f"q[{b}]": q_b, f"K[{b}] (all {length} tokens)": k_b, f"V[{b}] (all {length} tokens)": v_b},
                          cause=lambda: _why_decode_differs(target))
 
 
@@ -142,7 +143,8 @@ def cache_outside_invariance(target, case):
                   f"causal=True)",
              cause="the kernel reads cache rows it must not attend: only [cache_leftpad, cache_seqlens + S_new) after "
                    "the append", got=poisoned[b].transpose(0, 1).to(F64), expected_tensor=clean[b].transpose(0, 1).to(F64),
-             labels=("the output with NaN outside the attended rows", "the output with stale values there"))
+             labels=("the output with NaN outside the attended rows",
+                     "the target's own output with stale finite values there"))
 
 
 @prop("append-writes-exactly", family="serving",

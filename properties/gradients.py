@@ -13,7 +13,7 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking.assertions import fail
+from attn_spec.checking.assertions import fail, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads, reference_grads_and_terms
@@ -21,7 +21,9 @@ from attn_spec.checking.tolerance import max_error
 from attn_spec.properties.informative import require_responsive
 
 FD_DIRECTIONS, FD_EPS, FD_ATOL, FD_RTOL = 3, 1e-6, 1e-5, 1e-3  # finite differences, as torch.autograd.gradcheck
-VJP = "the backward of attention(Q, K, V, mask) with upstream gradient G"
+def _vjp(mask) -> str:
+    """The backward call, as the user would write it: the mask named only where there is one."""
+    return f"the backward of attention(Q, K, V{with_mask(mask)}) with upstream gradient G"
 
 
 @prop("gradients", family="gradients",
@@ -60,10 +62,11 @@ def gradients(target, case):
     bad = [i for i, g in enumerate(grads) if not torch.isfinite(g).all()]
     if bad:
         names = " and ".join(NAMES[i] for i in bad)
-        fail("NaN or inf", what=names, expected="finite values, as the reference gradients are", call=VJP,
+        fail("NaN or inf", what=names, expected="finite values, as the reference gradients are", call=_vjp(mask),
              cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
                    f"does not mask (0 * NaN), or divides by a zero sum",
-             got=grads[bad[0]], expected_tensor=expected[bad[0]])
+             got=grads[bad[0]], expected_tensor=expected[bad[0]],
+             labels=(f"the target's {NAMES[bad[0]]}", f"{NAMES[bad[0]]} of the float64 reference"))
     if case.mask == "causal" and case.n_kv > 1:
         _no_gradient_from_the_future(target, case, grad_out, allowed)
     errors = [max_error(g, e) for g, e in zip(grads, expected)]
@@ -72,8 +75,9 @@ def gradients(target, case):
         i = wrong[0]
         fail(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'}; max error of "
              f"{NAMES[i]} {errors[i]:.3g}", what="the gradients against the float64 reference", budget=allowed[i],
-             call=VJP, cause=_diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
-             got=grads[i], expected_tensor=expected[i])
+             call=_vjp(mask), cause=_diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
+             got=grads[i], expected_tensor=expected[i],
+             labels=(f"the target's {NAMES[i]}", f"{NAMES[i]} of the float64 reference"))
     if case.dtype == "float64":
         _finite_differences(target, case, grad_out, grads)
 
@@ -101,9 +105,11 @@ def _no_gradient_from_the_future(target, case, grad_out, allowed):
         leaked = (dk if leak_k > allowed[1] else dv)[..., s:, :]  # the rows of the future keys
         fail(f"|dK| up to {leak_k:.3g} and |dV| up to {leak_v:.3g}", expected="0",
              what=f"the gradients of keys >= {s} (the future of queries < {s}) with a gradient on queries < {s} only",
-             budget=allowed[1] if leak_k > allowed[1] else allowed[2], call=VJP + " zero on queries >= " + str(s),
+             budget=allowed[1] if leak_k > allowed[1] else allowed[2],
+             call=_vjp(case.mask) + " zero on queries >= " + str(s),  # a causal case: its mask
              cause="the backward ignores the causal mask (weights recomputed without it?)",
-             got=leaked, expected_tensor=torch.zeros_like(leaked))
+             got=leaked, expected_tensor=torch.zeros_like(leaked),
+             labels=(f"the target's {'dK' if leak_k > allowed[1] else 'dV'} at keys >= {s}", "zeros"))
 
 
 def _diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected):
@@ -144,7 +150,7 @@ def _finite_differences(target, case, grad_out, grads):
         if not abs(numeric - analytic) <= allowed:
             fail(f"<G, J u> = {numeric:.6g} from the forward, <J^T G, u> = {analytic:.6g} from the target's own "
                  f"backward", what="finite differences along a random direction u", expected="equal values",
-                 budget=allowed, call="attention(Q ± eps u, K ± eps u, V ± eps u, mask) and " + VJP,
+                 budget=allowed, call=f"attention(Q ± eps u, K ± eps u, V ± eps u{with_mask(mask)}) and " + _vjp(mask),
                  cause="the backward is not the derivative of the forward: finite differences of the "
                        "output disagree with the target's own gradients (a custom autograd.Function "
                        "whose backward does not match its forward?)")

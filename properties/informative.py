@@ -154,4 +154,6 @@ def _verdict(changes, noisy: bool, call: str) -> dict | None:
     return dict(measured=f"moved by {max_error(moved, base):.3g} when {name} was replaced by a fresh draw",
                 what="the output" + (f" (mean of {NOISY_CALLS} calls)" if noisy else ""),
                 expected=f"a move like the reference's, {max_error(ref_moved, ref):.3g}", budget=slack,
-                call=f"{call}, then with {name} replaced", cause=cause + TRIVIALLY, got=moved, expected_tensor=ref_moved)
+                call=f"{call}, then with {name} replaced", cause=cause + TRIVIALLY, got=moved, expected_tensor=ref_moved,
+                labels=(f"the output with {name} replaced by a fresh draw",
+                        f"the float64 reference with {name} replaced"))

@@ -11,7 +11,7 @@ import torch
 
 from attn_spec import reference
 from attn_spec.checking import probes
-from attn_spec.checking.assertions import assert_close, fail
+from attn_spec.checking.assertions import assert_close, fail, with_mask
 from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
 from attn_spec.checking.cases import Case
@@ -175,10 +175,11 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
              "(mask applied after the softmax, then renormalised?)" if not torch.isfinite(moved_k).all() else
              "masked keys still count: the mask is applied after the softmax, or as a finite additive "
              "bias that large scores overwhelm (fill with -inf or finfo.min)")
-    assert_close(moved_k, base, budget=allowed, call="attention(Q, K', V, mask), one copy per query",
+    labels = ("the output after the move", "the target's own output before it")
+    assert_close(moved_k, base, budget=allowed, call="attention(Q, K', V, mask), one copy per query", labels=labels,
                  what=f"the output after moving K at masked positions (scores up to about {limit:.3g}), "
                       f"for the queries they are masked for", cause=cause)
-    assert_close(moved, base, budget=allowed, call="attention(Q, K', V', mask), one copy per query",
+    assert_close(moved, base, budget=allowed, call="attention(Q, K', V', mask), one copy per query", labels=labels,
                  what=f"the output after adding {limit:.3g} to V at masked positions",
                  cause="values at masked positions reach the output: their weight is not exactly 0")
 
@@ -199,6 +200,7 @@ def _check_float_mask(target, case, q, k, v, mask):
     allowed = budget(q, k, v, mask, expected)
     assert_close(got, out, budget=2 * allowed, what="the output with a float mask of 0 / -inf against the output "
                  "with the equivalent bool mask", call="attention(Q, K, V, float_mask)",
+                 labels=("the output with the float mask", "the target's own output with the equivalent bool mask"),
                  cause=lambda: "the float mask is read as a keep-mask (positions equal to 0 are masked)"
                  if max_error(got, reference.attention(q, k, v, ~mask)[0]) < 1e-3 else
                  "a float mask is not added to the scores as a bias")
@@ -258,9 +260,14 @@ def batch_independence(target, case):
     allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])
     for index in itertools.product(*map(range, case.batch)):
         alone = target.attend(q[index], k[index], v[index], mask if mask is None or mask.dim() == 2 else mask[index])
-        assert_close(out[index], alone, budget=allowed,
+        assert_close(out[index], alone, budget=allowed, labels=(
+                     f"element {list(index)} of attention(Q, K, V{with_mask(mask)})",
+                     f"attention(Q{list(index)}, K{list(index)}, V{list(index)}{with_mask(mask)}), the target's "
+                     f"own output on that element alone"),
+                     inputs={"Q": q[index], "K": k[index], "V": v[index],
+                             "mask": mask if mask is None or mask.dim() == 2 else mask[index]},
                      what=f"batch element {list(index)} of the batched output against the element computed alone",
-                     call=f"attention(Q[{', '.join(map(str, index))}], ...)",
+                     call=f"attention(Q[{', '.join(map(str, index))}], ...{with_mask(mask)})",
                      cause="batch elements are mixed (a reshape or view that interleaves the batch with the "
                            "sequence dim, e.g. batch-first read as sequence-first?)")
     _check_no_leak(target, case, q, k, v, mask, out, allowed)
@@ -283,7 +290,8 @@ def _check_no_leak(target, case, q, k, v, mask, out, allowed):
     cause = ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
              "underflow the others to 0/0" if not torch.isfinite(got).all() else
              "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
-    assert_close(got, before, budget=allowed, call="attention(Q', K, V), Q' = Q with element 0 scaled",
+    assert_close(got, before, budget=allowed, call=f"attention(Q', K, V{with_mask(mask)}), Q' = Q with element 0 scaled",
+                 labels=("the other elements' outputs after the scaling", "the target's own outputs before it"),
                  what=f"the outputs of the other batch elements after scaling the queries of element 0 by {gain:.3g}",
                  cause=cause)
 
@@ -306,5 +314,6 @@ def _check_broadcast(target, q, k, v, mask):
         raise
     allowed = 2 * budget(q, k_b, v_b, m_b, reference.attention(q, k_b, v_b, m_b)[0])
     assert_close(got, expected, budget=allowed, call="attention(Q, K.expand(...), V.expand(...), mask.expand(...))",
+                 labels=("the output on the expanded K, V and mask", "the target's own output on contiguous copies"),
                  what="the output with K, V and mask expanded with stride 0 against their contiguous copies",
                  cause="broadcast (stride-0) inputs are read as if contiguous")

@@ -144,4 +144,5 @@ def merge_empty_neutral(target, case):
                  else "the empty state (0, -inf)", call=f"{target.name}(v_a, s_a, v_b, s_b)",
                  cause="with both LSEs -inf, exp(s - max) is exp(-inf + inf) = NaN: guard the empty case" if bad else "",
                  got=got_v[:, 0].to(F64), expected_tensor=want_v[:, 0].to(F64),
-                 labels=(f"v of {label}, head 0", "the expected v, head 0"))
+                 labels=(f"v of {label}, head 0", "v of x itself, head 0" if label != "merge(empty, empty)"
+                         else "v of the empty state (zeros), head 0"))

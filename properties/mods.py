@@ -26,10 +26,11 @@ def _sizes(case, length=None, reach=0):
     return (b, h, length, length) if length else (b, h, case.n_q + reach, case.n_kv + reach)
 
 
-def _fail(measured, what, cause, got, expected, sizes, *, expected_text="", mask=None):
-    """Fail with a counterexample described by the mod's sizes, not by attention inputs."""
+def _fail(measured, what, cause, got, expected, sizes, *, expected_text="", mask=None, labels=None):
+    """Fail with a counterexample described by the mod's sizes (B, H, S_q, S_kv), not by attention inputs; ``labels``:
+    what got and expected are (a mod's tensors are masks, scores or biases, never an attention's output)."""
     fail(measured, what=what, expected=expected_text, cause=cause, got=got, expected_tensor=expected, mask=mask,
-         summary="B={}, H={}, S_q={}, S_kv={}".format(*sizes))
+         summary=dict(zip(("B", "H", "S_q", "S_kv"), sizes)), labels=labels)
 
 
 @prop("mask-mod-statement", family="flex",
@@ -69,7 +70,8 @@ def mask_mod_statement(target, case):
     _fail(f"{bool(got[b, h, i, j])}", f"mask_mod(b={b}, h={h}, q_idx={i}, kv_idx={j}), the first of {int(differ.sum())} "
           f"pairs that differ at S_q={n_q}, S_kv={n_kv} (1 = may attend)", cause or f"the mask_mod does not compute "
           f"{statement.text}", got[b, h].to(F64), expected.to(F64), (B, H, n_q, n_kv),
-          expected_text=f"{bool(expected[i, j])} under {statement.text}", mask=expected)
+          expected_text=f"{bool(expected[i, j])} under {statement.text}", mask=expected,
+          labels=(f"the mask_mod's mask at b={b}, h={h} (1 = may attend)", f"the mask of {statement.text}"))
 
 
 @prop("mask-mod-rows", family="flex",
@@ -100,7 +102,7 @@ def mask_mod_rows(target, case):
              "these queries are masked from every key (an inverted or empty condition?)")
     _fail(f"rows {rows} keep no key", f"the query rows of mask_mod(b={b}, h={h}, q_idx, kv_idx) at S_q = S_kv = {n} "
           f"(1 = may attend)", cause, got[b, h].to(F64), None, (B, H, n, n), expected_text="every row keeps a key",
-          mask=got[b, h])
+          mask=got[b, h], labels=(f"the mask_mod's mask at b={b}, h={h} (1 = may attend)", ""))
 
 
 def _grid(B, H, n_q, n_kv, span, seed):
@@ -200,7 +202,8 @@ def score_mod_statement(target, case):
         _fail(f"{got[tuple(index)].item():.6g} (max error {err:.3g}, budget {allowed:.3g})",
               f"the score_mod at (b, h, q_idx, kv_idx) = {tuple(index)}, head {index[1]} shown", cause,
               got[index[0], index[1]], expected[index[0], index[1]], got.shape,
-              expected_text=f"{expected[tuple(index)].item():.6g} under {statement.text}")
+              expected_text=f"{expected[tuple(index)].item():.6g} under {statement.text}",
+              labels=(f"the score_mod's scores at b={index[0]}, h={index[1]}", f"the scores {statement.text} gives"))
 
 
 def _relative_bias(target, scores, dtype):
@@ -215,14 +218,17 @@ def _relative_bias(target, scores, dtype):
     if max_error(moved, bias) > allowed:
         _fail(f"max difference {max_error(moved, bias):.3g}", "score_mod(s + 1.5) - (s + 1.5) against score_mod(s) - s",
               "the bias depends on the score: the score_mod is not score + bias(h, kv_idx - q_idx)", moved[0, 0],
-              bias[0, 0], sizes, expected_text=f"the same bias (budget {allowed:.3g})")
+              bias[0, 0], sizes, expected_text=f"the same bias (budget {allowed:.3g})",
+              labels=("score_mod(s + 1.5) - (s + 1.5), element 0, head 0", "score_mod(s) - s, element 0, head 0"))
     if max_error(bias, bias[:1].expand_as(bias)) > allowed:
         _fail(f"max difference {max_error(bias, bias[:1].expand_as(bias)):.3g}", "the bias of each batch element "
               "against element 0", "the bias depends on the batch index b, not only on the head and the distance",
-              bias[-1, 0], bias[0, 0], sizes, expected_text=f"the same bias (budget {allowed:.3g})")
+              bias[-1, 0], bias[0, 0], sizes, expected_text=f"the same bias (budget {allowed:.3g})",
+              labels=(f"the bias of element {sizes[0] - 1}, head 0", "the bias of element 0, head 0"))
     along = bias[..., 1:, 1:] - bias[..., :-1, :-1]  # (q+1, kv+1) against (q, kv): same distance
     if along.numel() and along.abs().max().item() > allowed:
         b, h, i, j = (along.abs() > allowed).nonzero()[0].tolist()
         _fail(f"differs by {along[b, h, i, j].item():.3g}", f"the bias at (q_idx, kv_idx) = ({i + 1}, {j + 1}) against "
               f"({i}, {j}), the same distance kv_idx - q_idx = {j - i}", "the bias depends on the absolute positions, "
-              "not only on kv_idx - q_idx", bias[b, h], None, sizes, expected_text=f"the same bias (budget {allowed:.3g})")
+              "not only on kv_idx - q_idx", bias[b, h], None, sizes, expected_text=f"the same bias (budget {allowed:.3g})",
+              labels=(f"the bias score_mod(s) - s at b={b}, h={h}", ""))

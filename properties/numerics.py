@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from attn_spec import reference
 from attn_spec.checking import chunked
 from attn_spec.checking.rows import reference as row_reference
-from attn_spec.checking.assertions import assert_close, assert_within
+from attn_spec.checking.assertions import assert_close, assert_within, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.properties.masking import push_limit, sink_levels, sunk_inputs
@@ -22,6 +22,7 @@ from attn_spec.errors import Uninformative
 from attn_spec.properties.informative import require_responsive
 
 F64 = torch.float64
+
 
 
 def _second_values(case, like):
@@ -74,7 +75,9 @@ def value_linearity(target, case):
         return ("the output does not scale with V: V is normalised or divided by its max before the weighted sum"
                 if max_error(doubled, out1) <= allowed and max_error(doubled, 2 * ref1) > allowed
                 else "V passes through a nonlinearity (an activation or normalisation) before the weighted sum")
-    assert_close(out3, combined, budget=allowed, call=f"attention(Q, K, {a:g} V1 {b:+g} V2)",
+    assert_close(out3, combined, budget=allowed, call=f"attention(Q, K, {a:g} V1 {b:+g} V2{with_mask(mask)})",
+                 labels=(f"the output on {a:g} V1 {b:+g} V2", f"{a:g} (the output on V1) {b:+g} (the output on V2), "
+                                                             f"the target's own outputs combined"),
                  what=f"attn(Q, K, {a:g} V1 {b:+g} V2) against {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2)", cause=cause)
     vals = v1.double().cpu().unsqueeze(-3)  # [..., 1, Tk, Dv]
     keys = torch.tensor(True) if mask is None else mask.cpu().unsqueeze(-1)  # [..., Tq, Tk, 1] allowed keys
@@ -83,7 +86,7 @@ def value_linearity(target, case):
     got = out1.double().cpu()
     outside = torch.maximum(lo - got, got - hi).nan_to_num(math.inf).max().item()
     assert_within(outside, one, what="how far an output lies outside the range of the allowed values",
-                  call="attention(Q, K, V1)", got=got, expected_tensor=ref1,
+                  call=f"attention(Q, K, V1{with_mask(mask)})", got=got, expected_tensor=ref1,
                   cause="the output is not a convex combination of the value rows (negative weights, or "
                         "weights that do not sum to 1?)")
 
@@ -142,7 +145,8 @@ def key_shift_invariance(target, case):
     ref, ref_shifted = reference.attention(q, k, v, mask)[0], reference.attention(q, shifted, v, mask)[0]
     allowed = budget(q, k, v, mask, ref) + budget(q, shifted, v, mask, ref_shifted) + max_error(ref_shifted, ref)
     before, after = target.attend(q, k, v, mask), target.attend(q, shifted, v, mask)  # [..., Tq, Dv]
-    assert_close(after, before, budget=allowed, call="attention(Q, K + c, V)",
+    assert_close(after, before, budget=allowed, call=f"attention(Q, K + c, V{with_mask(mask)})",
+                 labels=("the output on K + c", "the target's own output on K, before the shift"),
                  what=f"the output after adding c = {size:.3g} * {direction.tolist()} to every key",
                  cause=lambda: _shift_cause(before, after, q, k, shifted, v, mask, allowed))
 
@@ -255,7 +259,8 @@ def numerical_stability(target, case):
                      if bad.any() and torch.equal(~torch.isfinite(out).all(dim=-1), bad)),
                     "large scores are clipped or lose precision (a clamp on the scores, or a narrower type inside?)"
                     if not bad.any() else "NaN or inf in rows with large scores")
-    ref.check(got, call="attention(Q', K, V), Q' = Q with some rows scaled",
+    ref.check(got, call=f"attention(Q', K, V{with_mask(mask)}), Q' = Q with some rows scaled",
+              inputs={"Q'": loud, "K": k, "V": v, "mask": mask},
               what=f"the output with scores up to {beyond_exp(q.dtype):.3g} in some rows against the float64 "
                    f"reference", cause=cause)
     if chunked.fits(q, k, v, mask):  # a second call of the same size; at fixed large shapes, the first alone
@@ -282,6 +287,7 @@ def _check_sunk_rows(target, q, k, v, mask):
                 return ("masked scores are replaced by a finite fill (masked_fill(~mask, -1e4) or -1e9) that lies "
                         "above the allowed scores: the masked keys take the weight (fill with -inf or finfo(dtype).min)")
             return "very negative scores lose the row's weights (a clamp on the scores, or a finite fill above them?)"
-        assert_close(got, expected, budget=allowed, call="attention(Q', K', V), q_i = a e_0, k_j = -a e_0",
+        assert_close(got, expected, budget=allowed, call=f"attention(Q', K', V{with_mask(mask)}), q_i = a e_0, k_j = -a e_0",
+                     inputs={"Q'": q2, "K'": k2, "V": v, "mask": mask},
                      what=f"the output when every score is {-level / math.sqrt(q.shape[-1]):.3g} against the float64 "
                           f"reference", cause=cause)

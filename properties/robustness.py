@@ -75,6 +75,7 @@ def determinism(target, case):
         differ = (first != second).sum().item()
         fail(f"{differ} of {first.numel()} entries differ", what="the outputs of two calls on the same inputs",
              expected="bitwise identical outputs", call=_call_name(case) + ", twice", got=second, expected_tensor=first,
+             labels=("the output of the second call", "the output of the first call, same inputs"),
              cause="the output changes from call to call: randomness at inference (dropout left on: "
                    "F.dropout defaults to training=True; added noise) or state kept between calls "
                    "(a KV cache left on, a reused buffer)")
@@ -116,7 +117,8 @@ def inputs_unchanged(target, case):
                  call=_call_name(case), cause=f"{name} is transposed or reshaped in place (transpose_, t_, resize_?)")
         if not _identical(new, old):
             fail("modified in place", what=f"{name} after the call", expected=f"{name} bitwise unchanged",
-                 call=_call_name(case), cause=_in_place_cause(name, new, old), got=new, expected_tensor=old)
+                 call=_call_name(case), cause=_in_place_cause(name, new, old), got=new, expected_tensor=old,
+                 labels=(f"{name} after the call", f"{name} before the call"))
 
 
 def _in_place_cause(name, new, old) -> str:
@@ -263,7 +265,8 @@ def _same_output(run, layout, strided, expected, limit):
              else "the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
                   "or a kernel computing i * D + j)")
     assert_close(got, expected, budget=limit, what=f"the output on {layout} inputs against contiguous copies of them",
-                 call=f"the target on {layout} inputs", cause=cause)
+                 call=f"the target on {layout} inputs", cause=cause,
+                 labels=(f"the output on {layout} inputs", "the target's own output on contiguous copies of them"))
 
 
 LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) give 520 keys, thorough's 2048
@@ -296,12 +299,14 @@ def long_sequences(target, case):
     square = not takes.cross  # a self-attention target: n_q = n_kv, the whole long sequence
     got = target.attend(*_long_inputs(case, square, takes.max_length))  # [Tq, Dv]
     q, k, v, mask = _long_inputs(case, square, takes.max_length)  # the kit's own copies: the target may write into them
+    inputs = {"Q": q, "K": k, "V": v, "mask": mask}  # the call's, not the drawn case's (n_kv times LONG_KEYS)
     expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
     allowed = budget(q, k, v, mask, expected)
     assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
                  call=f"attention(Q [{case.n_q}, {case.d_k}], K [{k.shape[-2]}, {case.d_k}], V [{k.shape[-2]}, "
                       f"{case.d_v}]{', causal mask' if case.mask == 'causal' else ''}), {case.dtype}",
-                 cause=lambda: _diagnose_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed))
+                 cause=lambda: _diagnose_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed),
+                 inputs=inputs)
 
 
 def _long_inputs(case, square=False, max_length=None):
@@ -392,7 +397,8 @@ def gqa_equivalence(target, case):
     ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
               f"in {whose} grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
               f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
-              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)))
+              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)),
+              inputs={"Q": q, "K": k, "V": v, "mask": mask})
 
 
 def _repeat_heads(t, group, grouping):

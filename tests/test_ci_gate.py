@@ -155,10 +155,11 @@ def test_reports_command_still_runs(tmp_path):
 def test_terminal_colour_marks_only_the_differing_cells():
     import attn_spec
     from attn_spec.targets.loading import load_target
-    from attn_spec.report.text import RED, render
+    from attn_spec.report import render
+    from attn_spec.report.matrices import RED
 
     report = attn_spec.check(load_target(BUGGY), profile="quick", seed=5, only=["scale-sqrt-dk"])
-    coloured, plain = render(report, markdown=False, colour=True), render(report, markdown=False)
+    coloured, plain = render(report, "text", colour=True), render(report, "text")
     assert RED in coloured and RED not in plain and RED not in report.to_markdown()
     # the probe's two weights both differ from sigmoid(1): both cells of "got" are marked
     got_line = next(line for line in coloured.splitlines() if "0.4378" in line)

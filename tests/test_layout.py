@@ -92,3 +92,42 @@ def test_importing_the_catalog_imports_neither_pytest_nor_sympy():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+MATRIX_FORMATTER = "attn_spec.report.matrices"
+RENDERED = ("got_text", "expected_text", "inputs_text")  # a counterexample's matrices as text: written by report/ only
+
+
+def _formats_a_matrix(source: str) -> list[str]:
+    """What in ``source`` formats a matrix: an import of the matrix formatter (the module, or any name it defines,
+    through ``attn_spec.report`` too), or a counterexample's rendered matrix field named in code (the text a
+    runner once pre-rendered). Empty when it formats none."""
+    names = {n.name for n in ast.parse((ROOT / "attn_spec/report/matrices.py").read_text(encoding="utf-8")).body
+             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == MATRIX_FORMATTER]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == MATRIX_FORMATTER:
+                found.append(node.module)
+            elif node.module.startswith("attn_spec.report"):
+                found += [f"{node.module}.{a.name}" for a in node.names if a.name in names or a.name == "matrices"]
+        elif isinstance(node, ast.Constant) and node.value in RENDERED:
+            found.append(repr(node.value))
+    return found
+
+
+def test_nothing_outside_report_formats_a_matrix():
+    """Matrix formatting lives with the renderers: the runner, the properties, the grader, the plugin and the CLI
+    hand over data (a Counterexample) and ask report/ to write it."""
+    offenders = {name: found for name, path in _modules().items() if not name.startswith("attn_spec.report")
+                 for found in [_formats_a_matrix(path.read_text(encoding="utf-8"))] if found}
+    assert offenders == {}
+
+
+def test_the_matrix_check_catches_a_formatter_used_elsewhere():
+    assert _formats_a_matrix("from attn_spec.report.matrices import format_matrix") == [MATRIX_FORMATTER]
+    assert _formats_a_matrix("from attn_spec.report.text import format_matrix") == ["attn_spec.report.text.format_matrix"]
+    assert _formats_a_matrix("ce = {'got_text': text}") == ["'got_text'"]
+    assert _formats_a_matrix("from attn_spec.report import render\nrender(result, 'text')") == []

@@ -46,15 +46,27 @@ def message(measured: str, *, what: str = "", expected: str = "", budget=None, c
 
 def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call: str = "", cause: Cause = "",
          got=None, expected_tensor=None, labels=None, inputs=None, vacuous: bool = False, mask=None,
-         summary: str = "") -> NoReturn:
+         summary: str | dict = "") -> NoReturn:
     """Raise the Failure: the property does not hold on this case. ``labels``: what the shown tensors are,
     (got, expected); by default the result of ``call`` and the float64 reference. ``inputs``: the tensors
     ``call`` was given, when they are not the case's own (a probe's). ``vacuous``: the property would
-    hold only trivially (the output ignores its inputs). ``mask``, ``summary``: see Failure."""
-    labels = labels or (f"the result of {call}" if call else "the target's result", "the float64 reference")
+    hold only trivially (the output ignores its inputs). ``mask``, ``summary`` (words, or sizes by name): see Failure."""
+    labels = labels or (f"the result of {call}" if call else "the target's result", compared_with(what))
     raise Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
                   cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
-                  inputs=inputs, vacuous=vacuous, mask=mask, summary=summary)
+                  inputs=inputs, vacuous=vacuous, mask=mask, summary=summary, call=call)
+
+
+def with_mask(mask, name: str = "mask") -> str:
+    """``", mask"`` where the call took a mask, else "": a ``call`` names every argument the target got."""
+    return f", {name}" if mask is not None else ""
+
+
+def compared_with(what: str) -> str:
+    """What a measured quantity is compared with, as ``what`` names it ("the output on K + c against the output
+    before": "the output before"); the float64 reference where ``what`` names nothing. The default label of
+    ``expected`` (a counterexample's columns say what they really are)."""
+    return what.rsplit(" against ", 1)[1] if " against " in what else "the float64 reference"
 
 
 def _check_budget(budget: float, what: str) -> None:
@@ -67,10 +79,11 @@ NONFINITE_CAUSE = ("the target's output has NaN or inf on finite inputs: this co
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor, *, budget: float, what: str, call: str = "",
-                 cause: Cause = "", shown=None, labels=None) -> float:
+                 cause: Cause = "", shown=None, labels=None, inputs=None) -> float:
     """max |got - expected| <= budget; NaN or inf anywhere is an infinite error, which fails. Returns the error.
 
-    ``shown``: the (got, expected) tensors to print when they are not the two compared. An ``expected``
+    ``shown``: the (got, expected) tensors to print when they are not the two compared; ``inputs``: the tensors
+    of the call, when they are not the case's own (see fail). An ``expected``
     with NaN or inf (the target's own output, transformed) gives no lesson of its own: the failure says
     so ("NaN or inf on both sides") instead of ``cause``.
     """
@@ -88,7 +101,7 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, *, budget: float, wh
             cause = NONFINITE_CAUSE
     shown_got, shown_expected = shown if shown is not None else (got, expected)
     fail(measured, what=what, budget=budget, call=call, cause=cause, got=shown_got, expected_tensor=shown_expected,
-         labels=labels)
+         labels=labels, inputs=inputs)
 
 
 def assert_within(value: float, limit: float, *, what: str, call: str = "", cause: Cause = "", got=None,

@@ -176,12 +176,13 @@ class Reference:
             return False
         return self.why is None or max_error(got, self.fast()) <= factor * self.fast_budget()
 
-    def check(self, got, *, what: str, call: str = "", cause="", factor: float = 1.0) -> None:
+    def check(self, got, *, what: str, call: str = "", cause="", factor: float = 1.0, inputs=None) -> None:
         """Fail unless ``got`` [..., Tq, Dv] matches: the whole reference on a short case; on a long one the chosen
         rows against float64 (the failure names the row and why it was chosen), then every row against the fast
-        reference in the target's dtype."""
+        reference in the target's dtype. ``inputs``: the call's tensors, where they are not the case's."""
         if self.why is None:
-            assert_close(got, self.exact, budget=factor * self.budget, what=what, call=call, cause=cause)
+            assert_close(got, self.exact, budget=factor * self.budget, what=what, call=call, cause=cause,
+                         inputs=inputs)
             return
         mine = self.rows_of(got)  # [..., k, Dv]
         err = max_error(mine, self.exact)
@@ -191,7 +192,7 @@ class Reference:
             fail(f"max error {number(err)} at query row {row}{at} (chosen: {self.why[row]}; {len(self.why)} rows "
                  f"judged exactly)", what=what, budget=factor * self.budget, call=call, cause=cause, got=mine,
                  expected_tensor=self.exact, labels=("the target's result at the chosen rows",
-                                                     "the float64 reference at those rows"))
+                                                     "the float64 reference at those rows"), inputs=inputs)
         fast = self.fast()
         err = max_error(got, fast)
         if not err <= factor * self.fast_budget():
@@ -199,7 +200,8 @@ class Reference:
             fail(f"max error {number(err)} at query row {row}{at}, not one of the {len(self.why)} rows judged "
                  f"exactly", what=f"{what.replace('the float64 reference', FUSED)} (every row)",
                  budget=factor * self.fast_budget(), call=call, cause=cause,
-                 got=got, expected_tensor=fast, labels=("the target's result", "torch's fused attention, same dtype"))
+                 got=got, expected_tensor=fast, labels=("the target's result", "torch's fused attention, same dtype"),
+                 inputs=inputs)
 
 
 def _fused(q, k, v, mask, *, scale, causal, causal_alignment):

@@ -25,8 +25,7 @@ from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, PlatformDefect, TargetRaised, Uninformative, Unsupported
 from attn_spec.checking.platform import judge
-from attn_spec.report import PropertyResult, TargetReport, format_matrix, tensor_to_data
-from attn_spec.report.text import inputs_text, nonfinite_both, worst_index
+from attn_spec.report import Counterexample, PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.strategies import get_profile
 from attn_spec.diagnosis.evidence import differs, record
@@ -34,7 +33,10 @@ from attn_spec.diagnosis.run import diagnose_report
 from attn_spec.diagnosis.serving import diagnose_serving
 
 
-def _snippet(prop: Property, case, target: Target, seed: int) -> str:
+def _snippet(prop: Property, case, target: Target, seed: int, call: str = "", own: bool = True) -> str:
+    """The copy-paste reproduction: the CLI line, the case, its tensors as the target got them (the mask and a
+    module's projection weights named; ``own``: the failing call took the case's own tensors, not a probe's),
+    the call that failed, and ``attn_spec.reproduce``."""
     fields = ", ".join(f"{f.name}={getattr(case, f.name)!r}" for f in dataclasses.fields(case)
                        if getattr(case, f.name) != f.default)
     kind = type(case).__name__
@@ -50,40 +52,50 @@ def _snippet(prop: Property, case, target: Target, seed: int) -> str:
     keywords = "".join(f", {key}={value!r}" for key, value in options.items())
     return (f"# attn-spec check {target.name} --only {prop.id} --seed {seed}{flags}\n"
             f"import attn_spec\nfrom attn_spec.cases import {kind}\n"
-            f"case = {kind}({fields})\n"
+            f"case = {kind}({fields})\n{_tensors_line(case, target) if own else ''}"
+            + (f"# the call that failed: {call}\n" if call else "") +
             f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keywords})")
 
 
-def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> dict:
-    index = worst_index(failure.got, failure.expected)
-    labels = list(failure.labels or ("the target's result", "the float64 reference"))
-    ce = {"case": dataclasses.asdict(case), "summary": failure.summary or case.summary(),
-          "got": tensor_to_data(failure.got), "expected": tensor_to_data(failure.expected),
-          "got_text": None if failure.got is None else format_matrix(failure.got, index=index),
-          "expected_text": None if failure.expected is None else format_matrix(failure.expected, index=index),
-          "labels": labels, "slice": list(index), "nonfinite_both": nonfinite_both(failure.got, failure.expected),
-          "seed": seed, "reproduce": _snippet(prop, case, target, seed)}
+def _tensors_line(case, target: Target) -> str:
+    """The line that draws the case's tensors, saying what the mask and a module's projections are."""
+    mask = {"none": "", "causal": "mask: the causal mask", "random": "mask: a random one",
+            "padding": "mask: key padding"}.get(getattr(case, "mask", "none"), f"mask: {case.mask}")
+    mask = f"{mask}, True = may attend" if mask else "no mask"
+    if isinstance(case, MhaCase):
+        return (f"x_q, x_kv, weights, mask = case.tensors()  # {mask}; weights: W_Q, W_K, W_V, W_O "
+                f"[{case.d_model}, {case.d_model}], loaded into the module's projections; {case.n_heads} heads\n")
+    if target.convention not in conventions(kind="attention"):  # a mod or a serving kernel: not called on Q, K, V
+        return ""
+    if target.convention in conventions(kind="attention", multihead=True):
+        mask += (f"; {target.name} is called through the kit's own projections that select Q, K and V "
+                 f"(one head; attn_spec.targets.modules)")
+    return f"Q, K, V, mask = case.tensors()  # {mask}\n"
+
+
+def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> Counterexample:
+    """What the failure showed, as data (the report's renderers write it)."""
+    labels = failure.labels or ("the target's result", "the float64 reference")
     inputs = failure.inputs or ({} if failure.summary else _inputs(case))  # a mod's counterexample has no Q, K, V
+    summary = failure.summary or case.summary()
     if failure.inputs:
-        ce["summary"] = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items())
-    ce["inputs"] = {name: tensor_to_data(t, limit=64) for name, t in inputs.items()}
-    ce["inputs_text"] = inputs_text(inputs)
-    if isinstance(failure, TargetRaised):
-        ce["traceback"] = failure.user_traceback
+        summary = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items()
+                                                    if t is not None)
     mask = failure.mask  # the allowed pattern a property chose to show (a window, a mask_mod)
-    if mask is None:
-        mask = inputs.get("mask") if "weights" in labels[0] and isinstance(failure.got, torch.Tensor) else None
-    if mask is not None and mask.dtype == torch.bool and mask.shape[-2:] == failure.got.shape[-2:]:
-        with contextlib.suppress(RuntimeError):  # batch dims that do not broadcast: no mask shown
-            ce["mask"] = tensor_to_data(mask.expand(failure.got.shape))  # True = may attend, for the heatmaps
-    return ce
+    if mask is None and "weights" in labels[0] and isinstance(failure.got, torch.Tensor):
+        mask = inputs.get("mask")
+    return Counterexample.of(case=dataclasses.asdict(case), summary=summary, got=failure.got,
+                             expected=failure.expected, labels=labels, inputs=inputs, seed=seed,
+                             reproduce=_snippet(prop, case, target, seed, failure.call, own=not failure.inputs),
+                             mask=mask,
+                             traceback=failure.user_traceback if isinstance(failure, TargetRaised) else None)
 
 
 def _inputs(case) -> dict:
     """The case's tensors by name, as the target got them (a module's projections are drawn from the seed too)."""
-    if isinstance(case, MhaCase):
-        x_q, x_kv, _, mask = case.tensors()
-        return {"x_q": x_q, "x_kv": x_kv, "mask": mask}
+    if isinstance(case, MhaCase):  # with the projection weights the module was loaded with
+        x_q, x_kv, weights, mask = case.tensors()
+        return {"x_q": x_q, "x_kv": x_kv, "mask": mask, **weights}
     return dict(zip(("Q", "K", "V", "mask"), case.tensors()))
 
 

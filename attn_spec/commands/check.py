@@ -98,8 +98,8 @@ def run(args) -> int:
         return usage_error(args, f"no TARGET given, and no targets in {config.TABLE} of a pyproject.toml here or "
                                  f"above (nor in {config.SETTINGS['targets'].env})")
     from attn_spec import api
-    from attn_spec.report.ci import github_annotations, to_junit
-    from attn_spec.report.text import render as render_report
+    from attn_spec.report import render
+    from attn_spec.report.ci import github_annotations
 
     try:
         plan = api.plan(settings)
@@ -118,12 +118,11 @@ def run(args) -> int:
     finally:
         progress.done()
     colour = not args.output and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-    render = {"text": lambda r: render_report(r, markdown=False, colour=colour), "markdown": lambda r: r.to_markdown(), "json": lambda r: r.to_json() + "\n",
-              "junit": to_junit, "html": lambda r: r._repr_html_()}[args.format]
+    written = render(report, args.format, colour=colour and args.format == "text")
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as fh:
-                fh.write(render(report))
+                fh.write(written)
         except OSError as exc:
             print(f"attn-spec: cannot write the report to {args.output}: {exc.strerror}", file=sys.stderr)
             return EXIT_USAGE
@@ -131,7 +130,7 @@ def run(args) -> int:
         print(f"attn-spec: wrote the {args.format} report of {len(report.targets)} target(s) ({verdict}) to "
               f"{args.output}", file=sys.stderr)  # stdout stays empty: it may be piped
     else:
-        sys.stdout.write(render(report))
+        sys.stdout.write(written)
     if os.environ.get("GITHUB_ACTIONS") == "true":  # annotations on the pull request
         print("\n".join(github_annotations(report)), flush=True)
     return EXIT_USAGE if not_loaded else EXIT_OK if report.conforms else EXIT_FAIL

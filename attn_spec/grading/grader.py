@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from attn_spec import reference
 from attn_spec.errors import IsolationError
-from attn_spec.report.results import PropertyResult
+from attn_spec.report.results import PropertyResult, Status
 from attn_spec.targets.conventions import PROJECTIONS, FunctionTarget, ModuleTarget
 from attn_spec.grading.isolation import zygote
 from attn_spec.grading.isolation.remote import RemoteTarget, Stopped, Zygote
@@ -52,6 +52,11 @@ class PropertyGrade(PropertyResult):
     max_points: float = 0.0
     counts: str = "score"
     explained_by: str = ""
+
+    @classmethod
+    def read_status(cls, value):
+        """A runner's Status, or one of the grader's own row statuses (n/a, missing, an outcome), kept as its string."""
+        return Status(value) if value in {s.value for s in Status} else str(value)
 
 
 @dataclass
@@ -161,10 +166,11 @@ class Grader:
 
     def _row(self, prop, conv, status, message="", result=None) -> PropertyGrade:
         """The graded row: ``result`` (or a bare one with ``message``) under ``status``, with its points."""
-        result = result or PropertyResult(prop.id, status, message=message)
+        result = result or PropertyGrade(prop.id, status, message=message)  # a grader's status: n/a, an outcome
         fields = {f: getattr(result, f) for f in PropertyResult.__dataclass_fields__}
-        fields.update(status=status, statement=prop.statement, seconds=round(result.seconds, 3),
-                      case=None)  # the case is in the counterexample; grades hold plain data only
+        fields.update(status=status, statement=prop.statement, seconds=round(result.seconds, 3), case=None,
+                      counterexample=result.counterexample and dict(result.counterexample))  # grades hold plain
+        # data only (the counterexample as the JSON report writes it; the case is in it)
         return PropertyGrade(**fields, convention=conv, max_points=self.rubric.conventions[conv].points_for(prop.id))
 
     def _load(self, grade: Grade, child, sub: Submission) -> dict | None:

@@ -3,7 +3,7 @@
 Everything a submission produced (its messages, tracebacks, printed output, file name) is text
 from outside: in markdown it is escaped or fenced (:mod:`attn_spec.report.markdown`), so it adds no
 row, link or HTML to a file. A failure is rendered by the report's own
-:func:`~attn_spec.report.text.failure_section`. Files are readable by the grader's user only and are
+:func:`attn_spec.report.render`. Files are readable by the grader's user only and are
 written to a temporary name in their folder and renamed into place, relative to the folder's open
 descriptor: a link planted under a final name is replaced, never followed.
 """
@@ -23,7 +23,7 @@ import torch
 
 from attn_spec.grading.summary import class_view, summary_html, summary_json, summary_markdown
 from attn_spec.report import markdown as md
-from attn_spec.report.text import failure_section
+from attn_spec.report import render
 from attn_spec.version import __version__
 
 OUTCOME_TEXT = {
@@ -80,7 +80,7 @@ def _row_points(row) -> str:
 
 def _failure(row) -> list[str]:
     """One failed row for the student: the report's failure section, with their traceback."""
-    return [failure_section(row, markdown=True, traceback=True, untrusted=True), ""]
+    return [render(row, "markdown", traceback=True, untrusted=True), ""]
 
 
 def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:

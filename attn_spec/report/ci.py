@@ -5,9 +5,12 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from attn_spec.report.results import Report
-from attn_spec.report.text import failure_section, output_text
+from attn_spec.report.text import TEXT, failure_section, output_text
+
+if TYPE_CHECKING:
+    from attn_spec.report.results import Report
 
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")  # what XML 1.0 cannot hold
 
@@ -47,7 +50,7 @@ def to_junit(report: Report) -> str:
             elif p.status in ("fail", "error"):
                 element = ET.SubElement(case, "failure" if p.status == "fail" else "error",
                                         message=p.message, type=p.cause or p.status)
-                element.text = failure_section(p, markdown=False)
+                element.text = failure_section(p, TEXT)
             elif p.status in ("skip", "not-run"):
                 ET.SubElement(case, "skipped", message=p.message if p.status == "skip" else f"not run: {p.message}")
             if p.output:  # what the target printed, warned and logged meanwhile

@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from html import escape
 
+from attn_spec.report.counterexample import Counterexample
+from attn_spec.report.matrices import CORNER, format_matrix, inputs_text
 from attn_spec.report.text import REPRODUCE_PLATFORM, header_lines, platform_head, root_head
 
-MAX_CELLS = 16  # rows and columns drawn per heatmap
+MAX_CELLS = CORNER  # rows and columns drawn per heatmap: all a counterexample keeps
 
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#222;max-width:1100px}
@@ -32,18 +34,17 @@ table.heat caption{font-weight:600;padding:4px;text-align:left;white-space:nowra
 """
 
 
-def _matrix(data, index=()):
-    """One 2-D matrix of nested lists (the slice ``index`` of the leading dims, else the first), as a list of
-    rows, or None."""
-    if data is None:
-        return None
-    index = list(index)
-    while isinstance(data, list) and data and isinstance(data[0], list) and data[0] and isinstance(data[0][0], list):
-        i = index.pop(0) if index else 0
-        data = data[i] if i < len(data) else data[0]
-    if not isinstance(data, list) or not data:
-        return None
-    return [row if isinstance(row, list) else [row] for row in data] if isinstance(data[0], list) else [data]
+def _matrix(m):
+    """The failing element's matrix of a counterexample's Matrix, as a list of rows, or None."""
+    return None if m is None or m.corner is None else m.corner
+
+
+def _mask(ce):
+    """The mask's matrix at the failing element (True = may attend), where one was kept."""
+    data = ce.mask
+    for i in ce.element:
+        data = data[i] if isinstance(data, list) and i < len(data) else data
+    return data if isinstance(data, list) and data and isinstance(data[0], list) else None
 
 
 def _colour(x: float, lo: float, hi: float) -> tuple[str, str]:
@@ -54,7 +55,7 @@ def _colour(x: float, lo: float, hi: float) -> tuple[str, str]:
     return f"rgb({r},{g},{b})", "#fff" if t > 0.55 else "#000"
 
 
-def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None) -> str:
+def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None, size=None) -> str:
     """One matrix as a coloured table; ``mask`` (True = may attend) hatches masked cells, ``other``
     (the matrix to compare with) outlines cells that differ from it."""
     cells = []
@@ -77,7 +78,7 @@ def heatmap(rows, caption: str, *, lo: float, hi: float, mask=None, other=None) 
             cls = f' class="{" ".join(classes)}"' if classes else ""
             tds.append(f"<td{cls}{style} title=\"[{i}, {j}] = {x}\">{escape(f'{x:.3g}' if isinstance(x, float) else str(x))}</td>")
         cells.append("<tr>" + "".join(tds) + "</tr>")
-    shape = f"{len(rows)}×{len(rows[0])}"
+    shape = "×".join(map(str, size or (len(rows), len(rows[0]))))  # the whole matrix's, where rows are its corner
     return f'<table class="heat"><caption>{escape(caption)} [{shape}]</caption>{"".join(cells)}</table>'
 
 
@@ -85,25 +86,28 @@ def _finite(*matrices) -> list[float]:
     return [x for m in matrices if m for row in m for x in row if isinstance(x, (int, float)) and math.isfinite(x)]
 
 
-def heatmaps(ce: dict) -> str:
+def heatmaps(ce) -> str:
     """Got beside expected (the slice that fails), on one colour scale, with differing cells outlined and,
     when the matrices are weights, masked cells hatched."""
-    index = ce.get("slice") or ()
-    got, expected = _matrix(ce.get("got"), index), _matrix(ce.get("expected"), index)
-    mask = _matrix(ce.get("mask"), index)  # present only when got is a matrix of weights
+    ce = Counterexample.from_dict(ce)
+    index = ce.element
+    got, expected = _matrix(ce.got), _matrix(ce.expected)
+    mask = _mask(ce)  # present only when got is a matrix of weights
     if got is None:
         return ""
-    labels = ce.get("labels") or ("target", "reference")
+    labels = ce.labels or ("target", "reference")
     where = f" {list(index)}" if index else ""
     values = _finite(got, expected) or [0.0, 1.0]
     lo, hi = min(values + [0.0]), max(values)
-    maps = [heatmap(got, f"got{where}: {labels[0]}", lo=lo, hi=hi, mask=mask, other=expected)]
+    maps = [heatmap(got, f"got{where}: {labels[0]}", lo=lo, hi=hi, mask=mask, other=expected,
+                    size=(ce.got.rows, ce.got.cols))]
     if expected is not None:
-        maps.append(heatmap(expected, f"expected{where}: {labels[1]}", lo=lo, hi=hi, mask=mask))
+        maps.append(heatmap(expected, f"expected{where}: {labels[1]}", lo=lo, hi=hi, mask=mask,
+                            size=(ce.expected.rows, ce.expected.cols)))
     legend = (f'<p class="legend">colour: {lo:.3g} (white) to {hi:.3g} (dark blue); red outline: differs from the '
               f'expected value; {"hatched: masked out; " if mask else ""}orange: NaN or inf</p>')
-    if ce.get("nonfinite_both"):
-        legend += (f'<p class="legend">NaN or inf on both sides at {ce["nonfinite_both"]} entries: the target\'s own '
+    if ce.nonfinite_both:
+        legend += (f'<p class="legend">NaN or inf on both sides at {ce.nonfinite_both} entries: the target\'s own '
                    f'output was already non-finite there, so the comparison says nothing</p>')
     return f'<div class="maps">{"".join(maps)}</div>{legend}'
 
@@ -113,13 +117,14 @@ def _failure(p) -> str:
              f"<p><b>what happened:</b> {escape(p.message)}</p>"]
     if p.cause:
         parts.append(f"<p><b>likely cause:</b> {escape(p.cause)}</p>")
-    ce = p.counterexample
+    ce = p.counterexample and Counterexample.from_dict(p.counterexample)
     if ce:
-        parts.append(f"<p><b>counterexample</b> ({escape(ce['summary'])}):</p>")
-        if ce.get("inputs_text"):
-            parts.append(f"<pre>inputs:\n{escape(ce['inputs_text'])}</pre>")
-        parts.append(heatmaps(ce) or f"<pre>{escape(ce.get('got_text') or '')}</pre>")
-        parts.append(f"<p><b>reproduce:</b></p><pre>{escape(ce['reproduce'])}</pre>")
+        parts.append(f"<p><b>counterexample</b> ({escape(ce.described)}):</p>")
+        shown = inputs_text(ce)
+        if shown:
+            parts.append(f"<pre>inputs:\n{escape(shown)}</pre>")
+        parts.append(heatmaps(ce) or f"<pre>{escape(format_matrix(ce.got) if ce.got else '')}</pre>")
+        parts.append(f"<p><b>reproduce:</b></p><pre>{escape(ce.reproduce)}</pre>")
     parts.append("</div>")
     return "".join(parts)
 

@@ -1,20 +1,34 @@
 """Conformance results as data: one PropertyResult per property, one TargetReport per target, one Report per run."""
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from attn_spec.report.counterexample import Counterexample
+
+
+class Status(enum.StrEnum):
+    """What became of one property on one target. The values are the JSON report's (public) strings, and a
+    Status equals its string: ``result.status == "fail"`` holds for ``Status.FAIL``."""
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"  # a bug of the kit's own (its traceback in the message), never hidden
+    SKIP = "skip"  # not checked, and the message says why
+    NOT_RUN = "not-run"  # -x stopped before it
+
+
 @dataclass
 class PropertyResult:
     id: str
-    status: str  # "pass" | "fail" | "error" | "skip" | "not-run" (-x stopped before it)
+    status: Status  # a str given is read as a Status (an unknown one raises ValueError)
     message: str = ""
     statement: str = ""
     cause: str = ""
-    counterexample: dict | None = None
+    counterexample: Counterexample | None = None
     examples: int = 0
     seconds: float = 0.0
     blocked_by: str | None = None
@@ -25,9 +39,21 @@ class PropertyResult:
     output: dict | None = None  # what the target printed, warned and logged meanwhile (attn_spec.targets.capture)
     platform: list = field(default_factory=list, repr=False)  # a note per case lost to a platform defect (checking.platform)
 
+    def __setattr__(self, name, value):
+        if name == "status":
+            value = self.read_status(value)
+        super().__setattr__(name, value)
+
+    @classmethod
+    def read_status(cls, value) -> Status:
+        """``value`` as a Status (a string that names none raises ValueError: a typo is a bug, never a verdict)."""
+        return Status(value)
+
     def to_dict(self) -> dict:
-        return {"id": self.id, "status": self.status, "message": self.message, "cause": self.cause,
-                "blocked_by": self.blocked_by, "vacuous": self.vacuous, "expected": self.expected, "counterexample": self.counterexample,
+        ce = self.counterexample
+        return {"id": self.id, "status": str(self.status), "message": self.message, "cause": self.cause,
+                "blocked_by": self.blocked_by, "vacuous": self.vacuous, "expected": self.expected,
+                "counterexample": ce.to_dict() if isinstance(ce, Counterexample) else ce,
                 "examples": self.examples, "seconds": round(self.seconds, 4),
                 "found_after_calls": self.found_after_calls, "output": self.output}
 
@@ -175,20 +201,22 @@ class Report:
         return json.dumps(finite_json(self.to_dict()), indent=2, allow_nan=False)
 
     def __str__(self) -> str:
-        from attn_spec.report.text import render
-        return render(self, markdown=False)
+        return self.render("text")
+
+    def render(self, fmt: str = "text", **options) -> str:
+        """The report in ``fmt`` (text, markdown, html, json, junit): :func:`attn_spec.report.render`."""
+        from attn_spec.report.render import render
+        return render(self, fmt, **options)
 
     def to_markdown(self) -> str:
-        from attn_spec.report.text import render
-        return render(self, markdown=True)
+        return self.render("markdown")
 
     def _repr_markdown_(self) -> str:
-        return self.to_markdown()
+        return self.render("markdown")
 
     def _repr_html_(self) -> str:
         """Jupyter's rich display: the self-contained HTML report with heatmaps (attn_spec.report.html)."""
-        from attn_spec.report.html import to_html
-        return to_html(self)
+        return self.render("html")
 
 
 def finite_json(data):
