@@ -37,6 +37,7 @@ class Diagnosis:
     unproven: list = field(default_factory=list)  # failures put here by the catalog's order, with no evidence
     fit: dict | None = None  # a measured fit (attn_spec.diagnosis.fits): quantity, depends_on, formula, values
     measured: bool = False  # named by a measurement of the calls (attn_spec.diagnosis.measured), not a model
+    folded: list = field(default_factory=list)  # roots folded into this one (attn_spec.diagnosis.fold): root, explains, how
 
     @property
     def evidenced(self) -> list[str]:
@@ -54,7 +55,7 @@ class Diagnosis:
                 "evidence": self.evidence, "guess": self.guess,
                 "traceback": self.traceback or None, "consistent_with_passing": self.consistent_with_passing,
                 "ambiguous": list(self.ambiguous), "not_run": [p for p in self.explains if p in self.not_judged],
-                **({"fit": self.fit} if self.fit else {})}
+                **({"fit": self.fit} if self.fit else {}), **({"folded": list(self.folded)} if self.folded else {})}
 
 
 def _key(fit) -> tuple:

@@ -2,8 +2,10 @@
 
 Written to test the diagnosis on bugs nobody catalogued: each must get one root, named by a measured fit
 (attn_spec.diagnosis.fits: the scale against the shapes, the normaliser, batch mixing) or honestly
-"unexplained" with the measured numbers. No mistake model may be added to match one of them.
-``expect``: the fit's quantity that must name it, or "unexplained".
+"unexplained" with the measured numbers. No mistake model may be added to match one of them. A few are
+catalogued mistakes whose symptoms look like other bugs (a missing scale saturating float16 to one-hot, an
+inverted mask emptying a row into NaN): one root must name the cause, the symptoms folded into it.
+``expect``: the fit's quantity that must name it, "unexplained", or the mistake id of the cause.
 """
 from __future__ import annotations
 
