@@ -30,7 +30,6 @@ def scaled_by_value_width(q, k, v, mask=None):
     return _attend(q, k, v, mask, 1 / math.sqrt(v.shape[-1]))
 
 
-
 def _root(fn):
     """The one root of the scale probe's failure at d_v = 1 (the property's own example case)."""
     target = make_target(fn, fn.__name__, "function")
