@@ -10,6 +10,7 @@ input separates them, the root says so and stays ambiguous.
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import torch
@@ -66,16 +67,26 @@ def _call_target(target, inputs: dict):
     return Prediction(out.detach().to("cpu") if isinstance(out, torch.Tensor) else out)
 
 
-def _tell_apart(tied: list, call: Call):
-    """(words, Call, predictions) of the first variant on which the tied models' predictions are not all alike."""
-    for words, inputs in variants(call):
-        probe = Call("attend", inputs, label=f"the failing call's inputs with {words}")
-        preds = [predict(MISTAKES[mid], probe, params) for mid, params in tied]
-        if any(p is None for p in preds):
-            continue
-        budgets = replay._budgets(probe, None)
-        if any(replay.mismatch(a, b, budgets) > 1 for i, a in enumerate(preds) for b in preds[i + 1:]):
-            return words, probe, preds
+def _separating(tied: list, calls: list):
+    """(Call, predictions) of each variant of ``calls`` on which the tied models' predictions are not all alike."""
+    for call in calls:
+        for words, inputs in variants(call):
+            probe = Call("attend", inputs, label=f"the failing call's inputs with {words}")
+            preds = [predict(MISTAKES[mid], probe, params) for mid, params in tied]
+            if any(p is None for p in preds):
+                continue
+            budgets = replay._budgets(probe, None)
+            if any(replay.mismatch(a, b, budgets) > 1 for i, a in enumerate(preds) for b in preds[i + 1:]):
+                yield probe, preds
+
+
+def _asked(target, tied: list, calls: list, tries: int = 6):
+    """(Call, predictions, what the target returned) of the first separating variant the target answers with
+    an output (a variant it declines or crashes on says nothing of the tied models: the next is tried)."""
+    for probe, preds in itertools.islice(_separating(tied, calls), tries):
+        seen = _call_target(target, probe.inputs)
+        if seen is not None and seen.error is None:
+            return probe, preds, seen
     return None
 
 
@@ -103,13 +114,10 @@ def separate(root, evidences: dict, target, probes: int = 3) -> None:
     root.evidence = re.sub(r"; (so does|ambiguous:) [^;]*", "", root.evidence)  # the tie is settled below
     with one_thread():
         for _ in range(probes):
-            found = next((hit for hit in (_tell_apart(tied, c) for c in calls) if hit), None)
+            found = _asked(target, tied, calls)
             if found is None:
                 break
-            words, probe, preds = found
-            seen = _call_target(target, probe.inputs)
-            if seen is None:
-                break
+            probe, preds, seen = found
             budgets = replay._budgets(probe, None)
             kept = [t for t, pred in zip(tied, preds) if replay.mismatch(pred, seen, budgets) <= 1]
             told.append(f"{probe.label} ({', '.join(m for m, _ in kept) or 'none of them'} reproduces the target)")
