@@ -39,3 +39,27 @@ def test_a_missing_scale_that_saturates_float16_is_one_root_not_a_mask_bug():
     assert "at the target's own dtype" in roots[0].evidence
     assert reproduced("scale-missing", {}, evidences["causal-mask"]) == "at the target's own dtype"
     assert reproduced("mask-inverted", {}, evidences["causal-mask"]) is None
+
+
+def test_an_uncertain_fold_is_said_not_made():
+    """Root B (named on its own) has two failures and A's model reproduces only one: the roots stay apart."""
+    from attn_spec.diagnosis.roots import Diagnosis
+    from gallery.unseen import inverted_mask_without_guard
+
+    unscaled = make_target(unscaled_in_half_precision, "unscaled", "function")
+    inverted = make_target(inverted_mask_without_guard, "inverted", "function")
+    for t in (unscaled, inverted):
+        supports(t, ["float64"], "cpu")
+    small = Case(n_q=3, n_kv=3, d_k=4, d_v=2, values="normal", mask="causal", seed=1)
+    evidences = {"scale-sqrt-dk": gather("scale-sqrt-dk", REGISTRY["scale-sqrt-dk"].fn, unscaled,
+                                         Case(n_q=1, n_kv=2, d_k=16, d_v=2)),
+                 "matches-reference": gather("matches-reference", REGISTRY["matches-reference"].fn, unscaled, small),
+                 "causal-mask": gather("causal-mask", REGISTRY["causal-mask"].fn, inverted, small)}
+    order = ["scale-sqrt-dk", "causal-mask", "matches-reference"]
+    a = Diagnosis("scale-sqrt-dk", "scale-missing", "no scale", "", ["scale-sqrt-dk"], "")
+    b = Diagnosis("causal-mask", "mask-inverted", "inverted", "", ["causal-mask", "matches-reference"], "")
+    assert reproduced("scale-missing", {}, evidences["matches-reference"]) is not None
+    assert reproduced("scale-missing", {}, evidences["causal-mask"]) is None
+    roots = fold([a, b], evidences, order, generic)
+    assert roots == [a, b] and a.explains == ["scale-sqrt-dk"] and not a.folded
+    assert "not folded" in b.evidence and b.explains == ["causal-mask", "matches-reference"]
