@@ -27,7 +27,7 @@ def test_an_uncatalogued_bug_gets_one_root_named_by_a_fit_or_unexplained(entry):
     roots = target.diagnoses
     assert len(roots) == 1, [(d.sentence, d.explains) for d in roots]
     d = roots[0]
-    assert set(d.explains) == failed and d.consistent_with_passing
+    assert set(d.explains) == failed and d.consistent_with_passing and entry.says in d.sentence, d.sentence
     if entry.expect in MISTAKES:  # a catalogued cause whose symptoms look like other bugs: folded into one root
         assert d.mistake == entry.expect and d.named and not d.fit, (d.sentence, d.evidence)
         return

@@ -24,14 +24,15 @@ class Unseen:
     bug: str
     expect: str  # "scale", "row normaliser", "cross-batch contribution", "unexplained", or a mistake id
     profile: str = "quick"  # the profile that draws the bug's telling case (float16 at d_k=128: default)
+    says: str = ""  # words the root's sentence must hold (a fit that names the quantity but tells it wrong fails)
 
     def __str__(self) -> str:
         return self.name
 
 
-def unseen(expect: str, bug: str, profile: str = "quick"):
+def unseen(expect: str, bug: str, profile: str = "quick", says: str = ""):
     def register(fn):
-        UNSEEN.append(Unseen(fn.__name__, fn, bug, expect, profile))
+        UNSEEN.append(Unseen(fn.__name__, fn, bug, expect, profile, says))
         return fn
     return register
 
@@ -145,7 +146,8 @@ def denominator_plus_keys(q, k, v, mask=None):
     return e / (e.sum(dim=-1, keepdim=True) + 0.5) @ v
 
 
-@unseen("row normaliser", "one denominator for every row of a matrix: the mean of the rows' sums of exp")
+@unseen("row normaliser", "one denominator for every row of a matrix: the mean of the rows' sums of exp",
+        says="one denominator is shared by all the rows of a matrix (the mean of the rows' sums)")
 def denominator_mean_of_rows(q, k, v, mask=None):
     s = _masked(_qk(q, k) / math.sqrt(q.shape[-1]), mask)  # [..., Tq, Tk]
     e = torch.exp(s - s.amax(dim=-1, keepdim=True)).nan_to_num(0.0)
