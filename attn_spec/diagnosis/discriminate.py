@@ -6,7 +6,8 @@ tell a scale taken from n_q from a hard-coded d_k. When a root's model ties with
 call, the target is called once more on inputs built from a recorded call with one shape or the values
 changed (d_v, n_q, n_kv, d_k, a batch of two, fresh values), the first such input on which the tied models
 predict different outputs. The model that predicts what the target returned is named; if none does, or no
-input separates them, the root says so and stays ambiguous.
+input separates them, the root says so and stays ambiguous. Variants are built from attention calls on Q, K,
+V; a module's calls (x and its weights) are left as they are, their tie said as the first pass said it.
 """
 from __future__ import annotations
 
@@ -110,6 +111,8 @@ def separate(root, evidences: dict, target, probes: int = 3) -> None:
     calls = [c for p in root.evidenced if p in evidences for c in evidences[p].calls
              if c.kind == "attend" and c.kept and not c.unsupported and c.error is None
              and all(isinstance(c.inputs.get(n), torch.Tensor) for n in ("q", "k", "v"))][:4]
+    if not calls:
+        return  # a module's calls (x and weights): no variant of them is built here, the tie stays as it was said
     names, told = ", ".join(mid for mid, _ in tied), []
     root.evidence = re.sub(r"; (so does|ambiguous:) [^;]*", "", root.evidence)  # the tie is settled below
     with one_thread():
