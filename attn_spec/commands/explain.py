@@ -21,7 +21,8 @@ def run(args) -> int:
     import attn_spec.properties  # noqa: F401 - registers the catalog
     from attn_spec.checking.catalog import REGISTRY
     from attn_spec.diagnosis import MISTAKES
-    from attn_spec.lessons import render, render_mistake
+    from attn_spec.lessons import render
+    from attn_spec.mistake_lessons import render_mistake
     from attn_spec.settings import did_you_mean
 
     if args.id == "behaviours":

@@ -12,7 +12,10 @@
   over the wrong axes);
 - :mod:`~attn_spec.diagnosis.passing`: a model must agree with the calls of the properties that passed;
 - :mod:`~attn_spec.diagnosis.fits`: measured fits on purpose-built calls (the scale against the shapes, the
-  normaliser, batch mixing) for bugs no model catalogues.
+  normaliser, batch mixing) for bugs no model catalogues;
+- :mod:`~attn_spec.diagnosis.fold`: a root whose failures another root's model reproduces (at the target's own
+  dtype, with emptied rows left NaN) is a symptom, folded into its cause;
+- :mod:`~attn_spec.diagnosis.discriminate`: a second probe where tied models fit every failing call.
 """
 # Import order is catalog order: the formula (scale, softmax, positions, shapes, values), masks, the code
 # around it, the ecosystem's options and layouts, multi-head plumbing, backward passes and state.

@@ -109,6 +109,14 @@ def normaliser(target) -> Fit | None:
     elif batched is not None and abs(batched.sum().item() - 1) <= 1e-6:
         shared, depends = "all the rows of every batch element", ["n_q", "batch"]
         numbers += f"; over a batch of 2 the row sums total {batched.sum().item():.3g}"
+    elif _shared(q, k, rows) is not None:
+        frame, how = _shared(q, k, rows)
+        numbers += f"; each row's sum of exp(scores - {frame}) over its row sum is one number, {how}"
+        return Fit("row normaliser", ["n_q"], f"one denominator for all the rows of a matrix: {how}",
+                   {"rows": [round(x, 6) for x in rows.tolist()], "total": round(total, 6)},
+                   f"one denominator is shared by all the rows of a matrix ({how}), so the rows' sums differ and "
+                   f"total {total:.3g}", "softmax over the keys only: each row's exp divided by that row's own sum",
+                   numbers)
     elif (rows - rows[0]).abs().max().item() <= 1e-6:
         return Fit("row normaliser", [], f"each row sums to {rows[0].item():.4g}", {"rows": [round(x, 6) for x in rows.tolist()]},
                    f"every row of weights sums to {rows[0].item():.4g}, not 1: the weights are scaled by a constant "
@@ -122,6 +130,25 @@ def normaliser(target) -> Fit | None:
                                                                            "total": round(total, 6)},
                f"one denominator is shared by {shared}: the exp is divided by a sum over more than the row's "
                f"keys", "softmax over the keys only: sum(dim=-1, keepdim=True), one denominator per row", numbers)
+
+
+def _shared(q, k, rows) -> tuple[str, str] | None:
+    """(the shift, what the denominator is) when row i's total weight is S_i / D for one D shared by the rows,
+    S_i = sum_j exp(s_ij - shift) with the row max or the matrix max as the shift; None otherwise."""
+    s = q @ k.T / math.sqrt(q.shape[-1])  # [Tq, Tk] at the right scale
+    if rows.min().item() <= 0:
+        return None
+    for frame, shift in (("the row max", s.amax(-1, keepdim=True)), ("the matrix max", s.max())):
+        sums = torch.exp(s - shift).sum(-1)  # [Tq]
+        d = sums / rows  # [Tq]: the effective denominator of each row
+        if (d / d[0] - 1).abs().max().item() > 1e-6:
+            continue
+        for words, value in (("the mean of the rows' sums", sums.mean()), ("the sum over every row", sums.sum()),
+                             ("the largest row's sum", sums.max())):
+            if abs(d[0].item() / value.item() - 1) <= 1e-6:
+                return frame, words
+        return frame, f"{d[0].item():.4g}"
+    return None
 
 
 def _scale_inputs(d_k, n_q, n_kv, d_v, heads):

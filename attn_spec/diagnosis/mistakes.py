@@ -79,14 +79,24 @@ def scale_temperature(q, k, v, mask, scale, temperature):
 # ---------------------------------------------------------------- softmax
 
 
+QUERY_AXIS = "the queries (dim=-2)"
+ABSOLUTE_AXIS = ("the absolute dim 2 (softmax(dim=2): the keys of 3-D scores [B, n_q, n_kv], the queries of 4-D ones "
+                 "[B, H, n_q, n_kv])")
+
+
 @mistake("softmax-over-queries", family="softmax", caught_by=("rows-sum-to-one",),
-         sentence="the softmax runs over the queries (dim=-2), not over the keys",
-         fix="softmax(scores, dim=-1): each query's weights are a distribution over the keys")
-def softmax_over_queries(q, k, v, mask, scale):
+         sentence="the softmax runs over {over}, not over the keys",
+         fix="softmax(scores, dim=-1): each query's weights are a distribution over the keys",
+         params=({"dim": -2, "over": QUERY_AXIS}, {"dim": 2, "over": ABSOLUTE_AXIS}))
+def softmax_over_queries(q, k, v, mask, scale, dim=-2, over=QUERY_AXIS):
     s = masked(scores(q, k, scale), mask)  # [..., Tq, Tk]
-    unseen = torch.isneginf(s).all(dim=-2, keepdim=True).expand(s.shape)  # a key no query may see: NaN
+    if dim >= s.dim():  # code written for batched scores: unbatched inputs are given a batch dim
+        return softmax_over_queries(q[None], k[None], v[None], None if mask is None else mask[None], scale, dim)[0]
+    if dim % s.dim() == s.dim() - 1:  # dim=2 of 3-D scores is the key axis: right there
+        return softmax_keys(s) @ v
+    unseen = torch.isneginf(s).all(dim=dim, keepdim=True).expand(s.shape)  # all -inf along dim: NaN
     leave_free(unseen)
-    return torch.softmax(s, dim=-2).masked_fill(unseen, 0.0) @ v
+    return torch.softmax(s, dim=dim).masked_fill(unseen, 0.0) @ v
 
 
 @mistake("softmax-over-heads", family="softmax", caught_by=("rows-sum-to-one", "batch-independence"),

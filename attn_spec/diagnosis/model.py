@@ -153,8 +153,24 @@ def masked(s, mask, fill=NEG_INF):
     return s + mask
 
 
+_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("plain", default=False)
+
+
+@contextlib.contextmanager
+def plain_softmax():
+    """Within: ``softmax_keys`` is torch.softmax as written, a row with no allowed key NaN (no convention), so that
+    a model replayed on a target whose mask empties rows shows the NaN spreading as the target's does."""
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
 def softmax_keys(s):
     """softmax over the keys; a row with no allowed key is left free and given zeros."""
+    if _PLAIN.get():
+        return torch.softmax(s, dim=-1)  # [..., Tq, Tk]: NaN where a row has no allowed key
     empty = torch.isneginf(s).all(dim=-1, keepdim=True)  # [..., Tq, 1]
     leave_free(empty.expand(s.shape))
     return torch.softmax(s, dim=-1).masked_fill(empty, 0.0)

@@ -9,6 +9,8 @@ passing call contradicts what was measured and is not named.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attn_spec.diagnosis import replay
@@ -95,6 +97,8 @@ def _parts(out):
 def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, list[str]]:
     """Drop from each failure's fits the models that contradict a passing property (attn_spec.diagnosis.run
     restores them only where, restored, one model names every failure: then the root says what it contradicts).
+    A model with settings tried in order first gets its later settings: softmax(dim=-2) and softmax(dim=2) agree
+    on 4-D scores, and only what passed on 3-D ones tells them apart.
     Returns (mistake id, params) -> the properties it contradicts."""
     dropped: dict[tuple, list[str]] = {}
     for ev in evidences.values():
@@ -103,7 +107,23 @@ def keep_consistent(evidences: dict, consistency: Consistency) -> dict[tuple, li
             against = consistency.contradicted(f.mistake, f.params)
             if against:
                 dropped[(f.mistake.id, tuple(sorted(f.params.items())))] = against
-            else:
+                f = _later_setting(f, ev, consistency)
+            if f is not None:
                 kept.append(f)
         ev.fits = kept
     return dropped
+
+
+def _later_setting(f, ev, consistency: Consistency):
+    """The fit of ``f``'s model with a setting after ``f``'s that reproduces the failure and contradicts no pass."""
+    settings = f.mistake.params
+    if isinstance(settings, dict) or f.params not in settings:
+        return None
+    replayed = replay.Evidence(ev.calls)
+    replayed.precision = "float32" if any(g.mistake.id == replay.PRECISION for g in ev.fits) else None
+    for params in settings[settings.index(f.params) + 1:]:
+        refit = replay.fit(dataclasses.replace(f.mistake, params=(params,)), replayed)
+        if refit is not None and not consistency.contradicted(f.mistake, params):
+            refit.mistake = f.mistake
+            return refit
+    return None

@@ -37,6 +37,9 @@ class Diagnosis:
     unproven: list = field(default_factory=list)  # failures put here by the catalog's order, with no evidence
     fit: dict | None = None  # a measured fit (attn_spec.diagnosis.fits): quantity, depends_on, formula, values
     measured: bool = False  # named by a measurement of the calls (attn_spec.diagnosis.measured), not a model
+    tied: list = field(default_factory=list)  # (mistake id, params) of the other models that fit every failing call
+    second_probe: dict | None = None  # the call that told tied models apart (attn_spec.diagnosis.discriminate)
+    folded: list = field(default_factory=list)  # roots folded into this one (attn_spec.diagnosis.fold): root, explains, how
 
     @property
     def evidenced(self) -> list[str]:
@@ -54,7 +57,8 @@ class Diagnosis:
                 "evidence": self.evidence, "guess": self.guess,
                 "traceback": self.traceback or None, "consistent_with_passing": self.consistent_with_passing,
                 "ambiguous": list(self.ambiguous), "not_run": [p for p in self.explains if p in self.not_judged],
-                **({"fit": self.fit} if self.fit else {})}
+                **({"fit": self.fit} if self.fit else {}), **({"folded": list(self.folded)} if self.folded else {}),
+                **({"second_probe": dict(self.second_probe)} if self.second_probe else {})}
 
 
 def _key(fit) -> tuple:
@@ -89,7 +93,8 @@ def _from_fits(fits: list, pids: list[str], order: list[str], evidences) -> Diag
         evidence += (f"; ambiguous: {', '.join(ambiguous)}, of other families, reproduce every failing call as well "
                      f"(no failure tells them apart)")
     return Diagnosis(shown, m.id, m.describe(fit.params), m.fix_for(fit.params),
-                     sorted(pids, key=order.index), evidence, params=dict(fit.params), ambiguous=ambiguous)
+                     sorted(pids, key=order.index), evidence, params=dict(fit.params), ambiguous=ambiguous,
+                     tied=[(f.mistake.id, dict(f.params)) for f in fits[1:]])
 
 
 def _rank(fit, pids, evidences):

@@ -11,7 +11,9 @@ from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.model import MISTAKES
 from attn_spec.diagnosis.passing import Consistency, keep_consistent, passing_calls
 from attn_spec.diagnosis import fits
-from attn_spec.diagnosis.roots import Diagnosis, group, settle
+from attn_spec.diagnosis.discriminate import separate_all
+from attn_spec.diagnosis.fold import fold
+from attn_spec.diagnosis.roots import Diagnosis, generic, group, settle
 from attn_spec.targets.base import conventions
 
 
@@ -58,6 +60,8 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     after = {pid: registry[pid].after for pid in registry}
     roots = group([r.id for r in failures], evidences, order=order, after=after, target=target,
                   mistakes=list(MISTAKES.values()))
+    roots = fold(roots, evidences, order, generic)  # a root another's model reproduces is a symptom of it
+    roots = separate_all(roots, evidences, target)  # a second probe where tied models fit every failing call
     on_qkv = target.convention in conventions(kind="attention", multihead=False)  # attention on Q, K, V directly
     roots = settle(roots, order, measure=lambda: fits.measure(target) if on_qkv else None)
     if dropped and not any(d.named for d in roots):  # one model for every failure, though it contradicts a pass?

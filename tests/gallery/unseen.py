@@ -2,8 +2,10 @@
 
 Written to test the diagnosis on bugs nobody catalogued: each must get one root, named by a measured fit
 (attn_spec.diagnosis.fits: the scale against the shapes, the normaliser, batch mixing) or honestly
-"unexplained" with the measured numbers. No mistake model may be added to match one of them.
-``expect``: the fit's quantity that must name it, or "unexplained".
+"unexplained" with the measured numbers. No mistake model may be added to match one of them. A few are
+catalogued mistakes whose symptoms look like other bugs (a missing scale saturating float16 to one-hot, an
+inverted mask emptying a row into NaN): one root must name the cause, the symptoms folded into it.
+``expect``: the fit's quantity that must name it, "unexplained", or the mistake id of the cause.
 """
 from __future__ import annotations
 
@@ -20,15 +22,17 @@ class Unseen:
     name: str
     obj: object
     bug: str
-    expect: str  # "scale", "row normaliser", "cross-batch contribution" or "unexplained"
+    expect: str  # "scale", "row normaliser", "cross-batch contribution", "unexplained", or a mistake id
+    profile: str = "quick"  # the profile that draws the bug's telling case (float16 at d_k=128: default)
+    says: str = ""  # words the root's sentence must hold (a fit that names the quantity but tells it wrong fails)
 
     def __str__(self) -> str:
         return self.name
 
 
-def unseen(expect: str, bug: str):
+def unseen(expect: str, bug: str, profile: str = "quick", says: str = ""):
     def register(fn):
-        UNSEEN.append(Unseen(fn.__name__, fn, bug, expect))
+        UNSEEN.append(Unseen(fn.__name__, fn, bug, expect, profile, says))
         return fn
     return register
 
@@ -84,6 +88,12 @@ def scale_from_both_lengths(q, k, v, mask=None):
     return _attend(_qk(q, k) / math.sqrt(q.shape[-2] * k.shape[-2]), mask, v)
 
 
+@unseen("scale", "the queries are divided by the square root of the sequence length before Q K^T: 1/sqrt(n_q)")
+def queries_over_sequence_length(q, k, v, mask=None):
+    seq_len = q.size(-2)
+    return _attend((q / seq_len ** 0.5) @ k.transpose(-2, -1), mask, v)
+
+
 # ------------------------------------------------------------------ batch mixing
 
 
@@ -134,6 +144,36 @@ def denominator_plus_keys(q, k, v, mask=None):
     s = _masked(_qk(q, k) / math.sqrt(q.shape[-1]), mask)
     e = torch.exp(s - s.amax(dim=-1, keepdim=True))
     return e / (e.sum(dim=-1, keepdim=True) + 0.5) @ v
+
+
+@unseen("row normaliser", "one denominator for every row of a matrix: the mean of the rows' sums of exp",
+        says="one denominator is shared by all the rows of a matrix (the mean of the rows' sums)")
+def denominator_mean_of_rows(q, k, v, mask=None):
+    s = _masked(_qk(q, k) / math.sqrt(q.shape[-1]), mask)  # [..., Tq, Tk]
+    e = torch.exp(s - s.amax(dim=-1, keepdim=True)).nan_to_num(0.0)
+    return e / e.sum(dim=-1, keepdim=True).mean(dim=-2, keepdim=True) @ v
+
+
+# ------------------------------------------------------------------ a catalogued mistake whose symptoms look like
+# another's: one root, the cause, with the symptom folded into it (a mistake id as ``expect``)
+
+
+@unseen("scale-missing", "no 1/sqrt(d_k) and the scores kept in the inputs' dtype: at float16 and d_k=128 the weights "
+                         "saturate to one-hot, which looks like a mask bug", profile="default")
+def unscaled_in_half_precision(q, k, v, mask=None):
+    s = torch.einsum("...qd,...kd->...qk", q, k)  # [..., Tq, Tk], never scaled
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+@unseen("mask-inverted", "masked_fill(mask, -inf) with True = may attend: a row whose every key is allowed is "
+                         "emptied, and its softmax is NaN")
+def inverted_mask_without_guard(q, k, v, mask=None):
+    s = _qk(q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
 
 
 # ------------------------------------------------------------------ honestly unexplained (masks, tiles)
