@@ -334,11 +334,19 @@ def _ex_varlen() -> str:
                          out[0]), _m("the same with cu_seqlens ignored", out[1])])
 
 
+def _ex_alibi() -> str:
+    from attn_spec.diagnosis.mistakes_alibi import bias
+
+    added = bias((0.5,), 2, 4)[0]  # [2, 4]: one head, slope 0.5, 2 queries over 4 keys
+    return "\n".join([_m("the bias -0.5 |i + 4 - 2 - j| (2 queries, 4 keys)", added),
+                       _m("the weights with q = 0: softmax(bias)", torch.softmax(added, dim=-1))])
+
+
 EXAMPLES = {"weights": _ex_weights, "output": _ex_output, "causal": _ex_causal, "mask": _ex_mask,
             "permutation": _ex_permutation, "scale": _ex_scale, "shapes": _ex_shapes, "shift": _ex_shift,
             "linearity": _ex_linearity, "stability": _ex_stability, "batch": _ex_batch, "dtype": _ex_dtype,
             "strided": _ex_strided, "gqa": _ex_gqa, "gradients": _ex_gradients, "scale-arg": _ex_scale_arg,
             "multihead": _ex_multihead, "window": _ex_window, "softcap": _ex_softcap, "mask-mod": _ex_mask_mod,
             "score-mod": _ex_score_mod, "decode": _ex_decode, "merge": _ex_merge,
-            "dropout": _ex_dropout,
+            "dropout": _ex_dropout, "alibi": _ex_alibi,
             "varlen": _ex_varlen}

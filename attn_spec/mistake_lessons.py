@@ -35,6 +35,10 @@ def mistake_sections(mistake_id: str) -> dict:
     elif m.level == "dropout":
         recognise = ("A dropped call cannot be replayed, only read: with q = k = 0 and V = [I | I] the output is the "
                      f"dropped weights, twice; {m.id} names what that readout looks like. Shown at: {shown}.")
+    elif m.level == "alibi":
+        recognise = ("The kit reads the bias out: with q = 0 every score is 0, so with V = I the output is "
+                     f"softmax(bias), and log weights give the bias row by row; {m.id} names what it looks like. "
+                     f"Shown at: {shown}.")
     if isinstance(m.params, dict):
         recognise += " Its number is fitted to the failing call, then checked on every other call."
     elif m.params and not m.recognised:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("attention", "mod", "serving")
-OPTIONS = ("scale", "is-causal", "window", "softcap", "dropout")  # attend()'s options a convention may take
+OPTIONS = ("scale", "is-causal", "window", "softcap", "dropout", "alibi")  # attend()'s options a convention may take
 # The kit's own conventions, in the order they are listed (the order of --help and of `list --conventions`).
 BUILTIN = ("function", "sdpa", "module", "torch-mha", "adapter", "hf", "flex", "mask-mod", "score-mod", "decode", "merge",
            "varlen")

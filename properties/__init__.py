@@ -51,6 +51,7 @@ from attn_spec.properties.paged import (paged_append_writes_exactly, paged_capac
                                         paged_equals_contiguous, paged_outside_invariance)
 from attn_spec.properties.prefill import chunked_prefill_equals_one_shot
 from attn_spec.properties.dropout import dropout_mask, dropout_mean
+from attn_spec.properties.alibi import alibi_slopes
 from attn_spec.properties.varlen import segment_isolation, varlen_degenerate_lengths, varlen_equals_per_sequence
 
 __all__ = ["REGISTRY", "Property", "select", "check_property",
@@ -62,7 +63,7 @@ __all__ = ["REGISTRY", "Property", "select", "check_property",
            "score_mod_statement", "devices_agree", "decode_equals_full_causal", "cache_outside_invariance",
            "append_writes_exactly", "merge_equals_union", "merge_empty_neutral",
            "paged_equals_contiguous", "paged_outside_invariance", "paged_append_writes_exactly",
-           "paged_capacity_contract", "chunked_prefill_equals_one_shot", "dropout_mask", "dropout_mean",
+           "paged_capacity_contract", "chunked_prefill_equals_one_shot", "dropout_mask", "dropout_mean", "alibi_slopes",
            "varlen_equals_per_sequence", "segment_isolation", "varlen_degenerate_lengths"]
 
 

@@ -2,7 +2,7 @@
 
 - :mod:`~attn_spec.diagnosis.model`: the ``Mistake`` record, ``@mistake`` and the building blocks;
 - :mod:`~attn_spec.diagnosis.mistakes`, ``mistakes_masks``, ``mistakes_code``, ``mistakes_ecosystem``,
-  ``mistakes_module``, ``mistakes_dropout``: the catalog;
+  ``mistakes_module``, ``mistakes_dropout``, ``mistakes_alibi``: the catalog;
 - :mod:`~attn_spec.diagnosis.record`: the calls a replayed failure made;
 - :mod:`~attn_spec.diagnosis.predict`: what a model does on one call;
 - :mod:`~attn_spec.diagnosis.replay`: which models reproduce the calls of a failure;
@@ -21,6 +21,7 @@
 # around it, the ecosystem's options and layouts, multi-head plumbing, backward passes and state.
 from attn_spec.diagnosis import mistakes, mistakes_masks, mistakes_code  # noqa: F401,I001
 from attn_spec.diagnosis import mistakes_ecosystem, mistakes_module, mistakes_dropout  # noqa: F401,I001
+from attn_spec.diagnosis import mistakes_alibi  # noqa: F401,I001
 from attn_spec.diagnosis.model import MISTAKES, Mistake
 
 __all__ = ["MISTAKES", "Mistake"]

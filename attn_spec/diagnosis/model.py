@@ -10,8 +10,8 @@ actually called with. Its function is the wrong code itself, written plainly:
 - ``level="backward"``: ``fn(q, k, v, mask, G) -> (out, dQ, dK, dV)`` for a wrong backward pass.
 - ``level="stochastic"``: ``fn(samples, weights) -> params or None`` judges repeated weight
   readings of the same input (randomness cannot be replayed, only recognised).
-- ``level="dropout"``: ``fn(reading) -> params or None`` judges a dropout readout
-  (attn_spec.diagnosis.mistakes_dropout).
+- ``level="dropout"``, ``level="alibi"``: ``fn(reading) -> params or None`` judges a readout of the dropped
+  weights or of the ALiBi bias (attn_spec.diagnosis.mistakes_dropout, mistakes_alibi).
 
 By default a model gets float64 copies of the inputs (its own rounding is then negligible);
 ``exact=True`` gives it the inputs in their own dtype, for mistakes whose rounding, overflow or
@@ -30,8 +30,8 @@ import torch
 
 F64 = torch.float64
 NEG_INF = float("-inf")
-LEVELS = ("attend", "module", "backward", "stochastic", "dropout")
-RECOGNISED = ("stochastic", "dropout")  # levels whose randomness is recognised from readings, never replayed
+LEVELS = ("attend", "module", "backward", "stochastic", "dropout", "alibi")
+RECOGNISED = ("stochastic", "dropout", "alibi")  # levels whose randomness is recognised from readings, never replayed
 
 MISTAKES: dict[str, "Mistake"] = {}
 

@@ -175,11 +175,12 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
         roots.insert(0, root)
         take(nonfinite)
 
-    # 3. dropout: a dropped call is read out, not replayed (attn_spec.diagnosis.mistakes_dropout)
-    dropped = [p for p in left if p in DROPOUT_PROPERTIES]
-    if dropped and target is not None:
-        roots.append(_dropout_root(target, dropped, order, mistakes))
-        take(dropped)
+    # 3. dropout and ALiBi: their calls are read out, not replayed (diagnosis.mistakes_dropout, mistakes_alibi)
+    for family, pids in READOUTS.items():
+        read_out = [p for p in left if p in pids]
+        if read_out and target is not None:
+            roots.append(_readout_root(target, family, read_out, order, mistakes))
+            take(read_out)
 
     # 3b. randomness: the same input, different outputs
     random = [p for p in left if evidences[p].nondeterministic or (p == "determinism" and not evidences[p].fits)]
@@ -232,23 +233,24 @@ def group(failures: list[str], evidences: dict[str, FailureEvidence], *, order: 
     return _merged(roots, order, mistakes)
 
 
-DROPOUT_PROPERTIES = ("dropout-mask", "dropout-mean")
+READOUTS = {"dropout": ("dropout-mask", "dropout-mean"), "alibi": ("alibi-slopes",)}  # level -> the properties
 
 
-def _dropout_root(target, pids: list[str], order: list[str], mistakes) -> Diagnosis:
-    """The dropout model that recognises the target's readout at p = 0.1 (causal through a mask, or is_causal)."""
-    from attn_spec.diagnosis.mistakes_dropout import judge
+def _readout_root(target, level: str, pids: list[str], order: list[str], mistakes) -> Diagnosis:
+    """The model of ``level`` that recognises the target's readout (q = 0 or q = k = 0 and V = I: the output is
+    the weights), or a measured root that says what the readout showed."""
+    from attn_spec.diagnosis import mistakes_alibi, mistakes_dropout
 
-    found, numbers = judge(target, [m for m in mistakes if m.level == "dropout"])
+    judge = {"dropout": mistakes_dropout.judge, "alibi": mistakes_alibi.judge}[level]
+    found, numbers = judge(target, [m for m in mistakes if m.level == level])
     pids = sorted(pids, key=order.index)
     if found is None:
-        return Diagnosis(pids[0], None, "the dropout readout shows no catalogued dropout mistake", "", pids,
-                         f"measured on the readout (q = k = 0, V = [I | I], dropout_p = 0.1): {numbers}", measured=True)
+        return Diagnosis(pids[0], None, f"the {level} readout shows no catalogued {level} mistake", "", pids,
+                         f"measured on the readout: {numbers}", measured=True)
     m, params = found
     shown = next((p for p in m.caught_by if p in pids), pids[0])
     return Diagnosis(shown, m.id, m.describe(params), m.fix_for(params), pids,
-                     f"the readout (q = k = 0, V = [I | I], dropout_p = 0.1) matches {m.id}: {numbers}", params=params,
-                     measured=True)
+                     f"the readout matches {m.id}: {numbers}", params=params, measured=True)
 
 
 def generic(d: Diagnosis) -> bool:

@@ -90,7 +90,7 @@ def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     return out
 
 
-OPTIONS = {"window": "sliding window", "softcap": "softcap", "dropout": "dropout"}  # attend()'s options, in words
+OPTIONS = {"window": "sliding window", "softcap": "softcap", "dropout": "dropout", "alibi": "alibi_slopes"}  # attend()'s options, in words
 
 
 def __getattr__(name: str):
@@ -178,12 +178,13 @@ class Target:
         return self.recorder.observe(kind, inputs, thunk, label=label, state_key=state_key)
 
     def attend(self, q, k, v, mask=None, *, scale=None, is_causal=False, window=None, softcap=None,
-               dropout=None) -> torch.Tensor:
+               dropout=None, alibi=None) -> torch.Tensor:
         """``scale`` and ``is_causal`` reach only targets that take them (else Unsupported); so do
         ``window`` (w keys: query i sees keys i - w < j <= i), ``softcap`` (cap * tanh(scores / cap)) and
-        ``dropout`` (the probability p of dropping each weight; the kit passes 0 otherwise)."""
+        ``dropout`` (the probability p of dropping each weight; the kit passes 0 otherwise) and ``alibi`` (ALiBi
+        slopes [H]: each head's scores gain -slope * |i + n_kv - n_q - j|, flash-attn's alibi_slopes)."""
         mask = self._mask_for_call(mask, q.dtype)
-        options = {key: value for key, value in (("window", window), ("softcap", softcap), ("dropout", dropout))
+        options = {key: value for key, value in (("window", window), ("softcap", softcap), ("dropout", dropout), ("alibi", alibi))
                    if value is not None}
         for key in options:
             why = self.lacks_option(key)

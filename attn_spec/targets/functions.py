@@ -78,7 +78,8 @@ class FunctionTarget(LayoutTarget):
 
 # Each argument an sdpa-style target may take, by the names libraries give it (SDPA's first, then flash-attn's).
 SDPA_NAMES = {"attn_mask": ("attn_mask",), "is_causal": ("is_causal", "causal"), "scale": ("scale", "softmax_scale"),
-              "window": ("sliding_window", "window_size"), "softcap": ("softcap",), "dropout": ("dropout_p",)}
+              "window": ("sliding_window", "window_size"), "softcap": ("softcap",), "dropout": ("dropout_p",),
+              "alibi": ("alibi_slopes",)}
 
 
 class SdpaTarget(LayoutTarget):
@@ -87,7 +88,7 @@ class SdpaTarget(LayoutTarget):
 
     traits = Traits("sdpa", "fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)",
                     trained=False, masks=MASK_FORMS,  # attn_mask is bool or additive float in SDPA's contract
-                    options=("scale", "is-causal", "window", "softcap", "dropout"), layout="bhsd or bshd (probed)",
+                    options=("scale", "is-causal", "window", "softcap", "dropout", "alibi"), layout="bhsd or bshd (probed)",
                     keywords=("layout",), detect_rank=80)
 
     @staticmethod
@@ -109,7 +110,8 @@ class SdpaTarget(LayoutTarget):
     def lacks_option(self, key):
         return None if self.names[key] else f"{self.name} takes no {' or '.join(SDPA_NAMES[key])} argument"
 
-    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False, window=None, softcap=None, dropout=None):
+    def _attend(self, q, k, v, mask, *, scale=None, is_causal=False, window=None, softcap=None, dropout=None,
+                alibi=None):
         is_causal = is_causal or window is not None  # a window of w keys is causal
         kwargs = {}
         for key, value, default in (("attn_mask", mask, None), ("is_causal", is_causal, False), ("scale", scale, None)):
@@ -123,6 +125,8 @@ class SdpaTarget(LayoutTarget):
             kwargs["softcap"] = softcap
         if "dropout_p" in self.accepts:
             kwargs["dropout_p"] = dropout or 0.0
+        if alibi is not None:
+            kwargs["alibi_slopes"] = alibi
         if "enable_gqa" in self.accepts and _grouped(q, k):
             kwargs["enable_gqa"] = True
         self.calls += 1
@@ -134,6 +138,6 @@ class SdpaTarget(LayoutTarget):
                 kwargs[mask_name] = mask
             return _call(lambda *a: self.obj(*a, **kwargs), (q, k, v), call, self.state)
         return self._run(fn, q, k, v, mask, call, scale=scale, is_causal=is_causal, window=window, softcap=softcap,
-                         dropout=dropout)
+                         dropout=dropout, alibi=alibi)
 
 

@@ -144,6 +144,8 @@ class HfTarget(Target):
                 if value}
 
     def lacks_option(self, key):
+        if key == "alibi":
+            return f"{self.name}: Hugging Face passes ALiBi as part of the attention mask, not as slopes"
         if key == "dropout":  # HF applies it only while module.training; the kit's stand-in module is in eval
             return f"{self.name} is checked in eval mode (module.training is False), where Hugging Face drops nothing"
         if key == "softcap" and "softcap" not in self.declares:

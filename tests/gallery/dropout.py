@@ -1,4 +1,4 @@
-"""Dropout on the attention weights (the sdpa convention's dropout_p): correct kernels and the classic bugs."""
+"""Dropout (dropout_p) and ALiBi (alibi_slopes) in the sdpa convention: correct kernels and the classic bugs."""
 from __future__ import annotations
 
 import math
@@ -93,3 +93,47 @@ def dropout_unseeded(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     _FIXED.seed()  # a fresh, non-deterministic seed
     keep = torch.rand(w.shape, generator=_FIXED) >= dropout_p
     return (w * keep / (1 - dropout_p)) @ value
+
+
+# ---------------------------------------------------------------- ALiBi (flash-attn's alibi_slopes)
+
+def _alibi(query, key, value, alibi_slopes, causal, softmax_scale, sign=-1.0, offset=None, slopes_order=1):
+    from attn_spec.diagnosis.mistakes_alibi import distance
+
+    n_q, n_kv = query.shape[-2], key.shape[-2]
+    scale = 1 / math.sqrt(query.size(-1)) if softmax_scale is None else softmax_scale
+    scores = (query @ key.transpose(-2, -1)) * scale  # [B, H, Tq, Tk]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.flip(0) if slopes_order < 0 else alibi_slopes  # [H]
+        d = distance(n_q, n_kv, offset).abs().to(scores.device, scores.dtype)  # [Tq, Tk]
+        scores = scores + sign * slopes.to(scores.dtype)[:, None, None] * d
+    if causal:
+        scores = scores.masked_fill(~reference.causal_mask(n_q, n_kv, alignment="bottom-right", device=scores.device),
+                                    -math.inf)
+    return torch.softmax(scores, dim=-1) @ value
+
+
+@correct("sdpa", layout="bhsd")
+def alibi_kernel(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None):
+    """flash-attn's flash_attn_func signature (bhsd here), ALiBi aligned bottom-right."""
+    return _alibi(q, k, v, alibi_slopes, causal, softmax_scale)
+
+
+@buggy("alibi-slopes", mistake="alibi-sign-flipped", bug="the ALiBi bias is added with a + sign", convention="sdpa", layout="bhsd")
+def alibi_sign_flipped(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None):
+    return _alibi(q, k, v, alibi_slopes, causal, softmax_scale, sign=1.0)
+
+
+@buggy("alibi-slopes", mistake="alibi-heads-reversed", bug="head h gets slope H - 1 - h", convention="sdpa", layout="bhsd")
+def alibi_heads_reversed(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None):
+    return _alibi(q, k, v, alibi_slopes, causal, softmax_scale, slopes_order=-1)
+
+
+@buggy("alibi-slopes", mistake="alibi-top-left", bug="the distance is i - j", convention="sdpa", layout="bhsd")
+def alibi_top_left(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None):
+    return _alibi(q, k, v, alibi_slopes, causal, softmax_scale, offset=0)
+
+
+@buggy("alibi-slopes", mistake="alibi-ignored", bug="alibi_slopes is accepted and never used", convention="sdpa", layout="bhsd")
+def alibi_ignored(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None):
+    return _alibi(q, k, v, None, causal, softmax_scale)

@@ -1,0 +1,72 @@
+"""ALiBi (``alibi_slopes``, flash-attn's argument): a linear position bias per head, read out and then applied.
+
+A target that takes no ``alibi_slopes`` argument skips the property with that reason.
+"""
+from __future__ import annotations
+
+import torch
+
+from attn_spec import reference
+from attn_spec.checking.assertions import assert_close, fail
+from attn_spec.checking.cases import Case
+from attn_spec.checking.catalog import Lesson, prop
+from attn_spec.checking.tolerance import budget
+from attn_spec.diagnosis.mistakes_alibi import N_KV, N_Q, bias, form, read, readout_inputs
+
+F64 = torch.float64
+
+
+def _slopes(heads: int) -> tuple:
+    return tuple(2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads))
+
+
+@prop("alibi-slopes", family="alibi",
+      statement="with alibi_slopes s, head h's scores gain -s_h |i + n_kv - n_q - j| before the softmax (or the "
+                "signed -s_h (i + n_kv - n_q - j), reported)",
+      cases={"masks": ("none",)}, after=("matches-reference",),
+      examples=[Case(batch=(2,), n_q=3, n_kv=5, d_k=4, d_v=2, dtype="float32", seed=1)],
+      at_scale="a bias per position pair does not depend on the length: checked at the drawn sizes",
+      lesson=Lesson(unicode="attn(Q, K, V, alibi = s) = softmax(Q Kᵀ / √d_k − s_h |i + n_kv − n_q − j|) V",
+                    latex=r"\mathrm{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}} - s_h\,|i + n_{kv} - n_q - j|\right)V",
+                    check="Reads the bias out with q = 0 and V = I (the output is softmax(bias)), 4 heads, 5 queries "
+                          "over 7 keys, then checks the case's own Q, K, V with slopes per head against the float64 "
+                          "reference with that bias.",
+                    example="alibi"))
+def alibi_slopes(target, case):
+    """attn(Q, K, V, alibi_slopes=s)_h = softmax(Q_h K_h^T / sqrt(d_k) + B_h) V_h, B_h[i, j] = -s_h |i + n_kv - n_q - j|.
+
+    The distance is measured from the query's position in the key sequence (bottom-right, as flash-attn's causal
+    mask), so the newest query is nearest the newest key; a signed form -s_h (i + n_kv - n_q - j) agrees with it
+    under a causal mask and is reported, not failed. Why: ALiBi models (BLOOM, MPT, Baichuan) have no other
+    position signal; a wrong bias still trains and generates, only worse. Catches: the slopes ignored, the bias
+    sign flipped (ALiBi's classic bug), the slopes given to the wrong heads, the distance aligned top-left.
+    """
+    q0, _, _, slopes0 = readout_inputs(case.torch_dtype, case.device)
+    if target.lacks_option("alibi"):
+        target.attend(q0, q0, q0, None, alibi=slopes0)  # raises Unsupported with the target's reason
+    reading = read(target, case.torch_dtype, case.device)
+    found = form(reading)
+    if found is None:
+        want = bias(reading.slopes, N_Q, N_KV)[0, -1]
+        fail(f"{[round(x, 3) for x in reading.measured[0, -1].tolist()]}",
+             what=f"head 0's bias over the {N_KV} keys, read out for the last of {N_Q} queries (q = 0, V = I), "
+                  "relative to its largest", expected=f"{[round(x, 3) for x in (want - want.max()).tolist()]}",
+             call=f"{target.name}(q=0, k, V=I, alibi_slopes={[round(s, 4) for s in reading.slopes]})",
+             got=reading.measured[0], expected_tensor=(bias(reading.slopes, N_Q, N_KV)[0] -
+                                                        bias(reading.slopes, N_Q, N_KV)[0].max(-1, keepdim=True).values),
+             labels=("the measured bias of head 0 (log weights minus each row's max)",
+                     "-slope * |i + n_kv - n_q - j|, minus each row's max"),
+             summary=f"the readout: q = 0 [1, 4, {N_Q}, 4], V = I [1, 4, {N_KV}, {N_KV}], {case.dtype}")
+    q, k, v, _ = case.tensors()
+    while q.dim() < 4:  # heads on dim -3: one slope per head
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    given = torch.tensor(_slopes(q.shape[-3]), dtype=torch.float32, device=q.device)  # float32, as flash-attn takes
+    slopes = tuple(given.tolist())  # the float32 values the target got: the reference uses exactly those
+    got = target.attend(q, k, v, None, alibi=given)
+    added = bias(slopes, case.n_q, case.n_kv, found)  # [H, Tq, Tk] float64, as an additive mask
+    expected, _ = reference.attention(q, k, v, added)
+    assert_close(got, expected, budget=budget(q, k, v, added.to(q.device, q.dtype), expected),
+                 what=f"the output with alibi_slopes {[round(s, 3) for s in slopes]} against the float64 reference "
+                      f"with the {found} bias", call="attention(Q, K, V, alibi_slopes=s)",
+                 cause="the bias is right alone (q = 0) but not added to the scaled scores before the softmax (scaled "
+                       "by 1/sqrt(d_k) with them, or added after the softmax?)")
