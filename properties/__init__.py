@@ -20,7 +20,10 @@ carrying the lesson when it does not hold; returns the result, status "pass" or 
     >>> properties.rows_sum_to_one(my_attention, Case(n_q=3, n_kv=2, d_k=2, d_v=2))
     >>> properties.check_property("scale-sqrt-dk", my_attention, profile="quick", seed=0)
 """
+import importlib
+import pkgutil
 import random
+import sys
 
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.cases import DTYPES, available_devices
@@ -32,39 +35,39 @@ from attn_spec.report import render
 from attn_spec.settings import did_you_mean
 from attn_spec.targets.conventions import Target, make_target, parse_masks
 
-# Import order is catalog order: the basic, decisive properties first.
-from attn_spec.properties.core import (causal_mask, permutation_equivariance, rows_sum_to_one,  # noqa: I001
-                                       scale_sqrt_dk)
-from attn_spec.properties.output import cross_attention_shapes, head_concat_equivalence, matches_reference
-from attn_spec.properties.masking import batch_independence, mask_semantics
-from attn_spec.properties.numerics import key_shift_invariance, numerical_stability, value_linearity
-from attn_spec.properties.robustness import (determinism, dtype_device, gqa_equivalence, inputs_unchanged,
-                                             long_sequences, non_contiguous)
-from attn_spec.properties.gradients import gradients
-from attn_spec.properties.arguments import is_causal, scale_argument
-from attn_spec.properties.windows import sliding_window, softcap
-from attn_spec.properties.mods import mask_mod_rows, mask_mod_statement, score_mod_statement
-from attn_spec.properties.devices import devices_agree
-from attn_spec.properties.decode import append_writes_exactly, cache_outside_invariance, decode_equals_full_causal
-from attn_spec.properties.merge import merge_empty_neutral, merge_equals_union
-from attn_spec.properties.paged import (paged_append_writes_exactly, paged_capacity_contract,  # noqa: I001
-                                        paged_equals_contiguous, paged_outside_invariance)
-from attn_spec.properties.prefill import chunked_prefill_equals_one_shot
-from attn_spec.properties.dropout import dropout_mask, dropout_mean
-from attn_spec.properties.alibi import alibi_slopes
-from attn_spec.properties.varlen import segment_isolation, varlen_degenerate_lengths, varlen_equals_per_sequence
+# The catalog's order, public in every report and in `attn-spec list`: the basic, decisive properties
+# first, the serving kernels' own last. Each id is defined in the module of its family (family= in @prop).
+ORDER = ("rows-sum-to-one", "causal-mask", "permutation-equivariance", "scale-sqrt-dk", "cross-attention-shapes",
+         "head-concat-equivalence", "matches-reference", "mask-semantics", "batch-independence", "value-linearity",
+         "key-shift-invariance", "numerical-stability", "determinism", "inputs-unchanged", "dtype-device",
+         "non-contiguous", "long-sequences", "gqa-equivalence", "gradients", "scale-argument", "is-causal",
+         "sliding-window", "softcap", "mask-mod-statement", "mask-mod-rows", "score-mod-statement", "devices-agree",
+         "dropout-mask", "dropout-mean", "alibi-slopes",
+         "decode-equals-full-causal", "cache-outside-invariance", "append-writes-exactly", "merge-equals-union",
+         "merge-empty-neutral", "paged-equals-contiguous", "paged-outside-invariance", "paged-append-writes-exactly",
+         "paged-capacity-contract", "chunked-prefill-equals-one-shot",
+         "varlen-equals-per-sequence", "segment-isolation", "varlen-degenerate-lengths")
 
-__all__ = ["REGISTRY", "Property", "select", "check_property",
-           "rows_sum_to_one", "causal_mask", "permutation_equivariance", "scale_sqrt_dk", "cross_attention_shapes",
-           "head_concat_equivalence", "matches_reference", "mask_semantics", "batch_independence",
-           "value_linearity", "key_shift_invariance", "numerical_stability", "determinism", "inputs_unchanged",
-           "dtype_device", "non_contiguous", "long_sequences", "gqa_equivalence", "gradients",
-           "scale_argument", "is_causal", "sliding_window", "softcap", "mask_mod_statement", "mask_mod_rows",
-           "score_mod_statement", "devices_agree", "decode_equals_full_causal", "cache_outside_invariance",
-           "append_writes_exactly", "merge_equals_union", "merge_empty_neutral",
-           "paged_equals_contiguous", "paged_outside_invariance", "paged_append_writes_exactly",
-           "paged_capacity_contract", "chunked_prefill_equals_one_shot", "dropout_mask", "dropout_mean", "alibi_slopes",
-           "varlen_equals_per_sequence", "segment_isolation", "varlen_degenerate_lengths"]
+
+def _register_the_catalog() -> list[str]:
+    """Import every module of this package (each family's @prop registers its properties), put REGISTRY in
+    ORDER, and make each property's check an attribute of the package; returns the checks' names in order."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    if set(REGISTRY) != set(ORDER):  # sanity check: a property registered but not placed, or placed but gone
+        raise ValueError(f"properties.ORDER and the registered properties differ: "
+                         f"{sorted(set(REGISTRY) ^ set(ORDER))}")
+    ordered = {pid: REGISTRY[pid] for pid in ORDER}
+    REGISTRY.clear()
+    REGISTRY.update(ordered)
+    names = []
+    for entry in REGISTRY.values():  # the check as its module exports it: it wraps a plain function or module
+        names.append(entry.fn.__name__)
+        globals()[entry.fn.__name__] = getattr(sys.modules[entry.fn.__module__], entry.fn.__name__)
+    return names
+
+
+__all__ = ["REGISTRY", "Property", "ORDER", "select", "check_property", *_register_the_catalog()]
 
 
 def select(only=None, skip=None) -> list[Property]:

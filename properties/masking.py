@@ -1,54 +1,130 @@
-"""Masks and batches: what a mask removes, and what each batch element may see.
+"""The masking family: what a mask removes, causality, ``is_causal`` (the sdpa convention) and a sliding
+window over the keys.
 
-Each function's docstring states the math, why it matters, and the bugs it catches.
+``is_causal`` and the window run where a target takes them (the sdpa convention; the hf convention,
+FlexAttention, an sdpa-style target with a ``sliding_window``/``window_size`` parameter); elsewhere they
+are skips with the reason. Each function's docstring states the math, why it matters, and the bugs it catches.
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 
 from attn_spec import reference
 from attn_spec.checking import probes
-from attn_spec.checking.assertions import assert_close, fail, with_mask
-from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, broadcast_shapes
+from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.errors import TargetRaised, Uninformative, Unsupported
+from attn_spec.checking.probes import WEIGHT_LABELS, weights
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import budget, max_error
 from attn_spec.diagnosis.numbers import masked_share
+from attn_spec.errors import Uninformative, Unsupported
+from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
+from attn_spec.targets.behaviours import behaviour
+from attn_spec.targets.conventions import broadcast_shapes
 from attn_spec.properties.informative import require_responsive
+from attn_spec.properties.inputs import near, push_limit, sink_levels, sunk_inputs
 
 F64 = torch.float64
 
 
-def push_limit(dtype: torch.dtype) -> float:
-    """The largest raw score |q . k| the kit pushes inputs to: far beyond any softmax's
-    comfort, yet representable, with headroom for the module adapter's input gain."""
-    return min(1e6, torch.finfo(dtype).max / 64)
+@prop("causal-mask", family="masking",
+      statement="under a causal mask, weights above the diagonal are 0 and output i ignores keys and values after i",
+      cases={"masks": ("causal",), "min_n_kv": 2}, at_scale={"masks": ("causal",)},
+      examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2, mask="causal"), Case(n_q=2, n_kv=4, d_k=1, d_v=1, mask="causal")],
+      lesson=Lesson(unicode="Aᵢⱼ = 0 for j > i,   outᵢ depends on K₀..ᵢ, V₀..ᵢ only",
+                    latex=r"A_{ij} = 0 \ \text{for}\ j > i,\qquad \mathrm{out}_i = f(Q_i, K_{\le i}, V_{\le i})",
+                    check="Reads the weights with V = identity under a causal mask and looks above the diagonal; then "
+                          "changes K and V at future positions and checks earlier outputs do not move.",
+                    example="causal"))
+def causal_mask(target, case):
+    """A[i, j] = 0 for j > i, the rest is softmax over j <= i; out[i] depends only on K, V[:i+1].
+
+    Why: a decoder trained with a leak from the future learns to copy the next token and is
+    useless at generation time. Catches: the mask ignored, inverted (True taken as 'ignore'),
+    off by one (triu diagonal=0 masks the current token; row 0 then has no key), a mask
+    applied after the softmax. Beyond probes.WEIGHTS_LIMIT the weights are not read (V = identity
+    would be [n_q, n_kv] wide): the output under the mask is compared with the reference instead.
+    """
+    require_responsive(target, case)
+    q, k, v, mask = case.tensors()
+    if probes.weights_fit(case.n_q, case.n_kv):
+        _causal_weights(target, case, q, k, mask)
+    else:
+        _causal_outputs(target, q, k, v, mask)
+    split = case.n_kv // 2  # keys and values from here on are the future of the first `split` queries
+    k2, v2 = k.clone(), v.clone()
+    k2[..., split:, :] = -k2[..., split:, :] * 3 + 1
+    v2[..., split:, :] = v2[..., split:, :] * 5 - 2
+    rows = min(split, case.n_q)
+    before = target.attend(q, k, v, mask)[..., :rows, :]
+    after = target.attend(q, k2, v2, mask)[..., :rows, :]
+    assert_close(after, before, budget=2 * row_reference(q, k, v, mask).budget,
+                 what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
+                 call="attention(Q, K', V', causal mask)",
+                 cause="the output reads the future even though the weights look causal",
+                 labels=("the outputs with the future keys and values changed",
+                         "the target's own outputs before the change (the keys and values as drawn)"))
 
 
-def sink_levels(dtype: torch.dtype, multihead: bool = False) -> tuple[float, float]:
-    """The raw scores q . k that :func:`sunk_inputs` gives every pair, L and a lower L': L = 1e8 and L' = 1e6
-    lie far below the -1e4 fill of older Hugging Face models, and above the -1e9 of tutorials, which no real
-    score reaches (a -1e9 fill is right in float32 and float64; float16 cannot hold it, which mask-semantics
-    catches otherwise). In float16, L is what the dtype holds (32752: below -1e4 up to d_k = 10) and L' its
-    square root. With headroom for a module adapter's input gain."""
-    top = min(1e8, torch.finfo(dtype).max / (64 if multihead else 2))
-    return top, (1e6 if top == 1e8 else math.sqrt(top))
+def _causal_weights(target, case, q, k, mask):
+    """Weights read with V = identity: zero above the diagonal, and no allowed key left out."""
+    w = probes.weights(target, q, k, mask).double().cpu()  # [..., Tq, Tk]
+    ref_w = reference.attention(q, k, k, mask)[1]  # [..., Tq, Tk]
+    future = ~reference.causal_mask(case.n_q, case.n_kv)  # [Tq, Tk]
+    leak = w.masked_fill(~future, 0.0).abs()
+    labels = probes.WEIGHT_LABELS
+    if leak.max().item() > 0:
+        diag = torch.diagonal(w, dim1=-2, dim2=-1)
+        cause = ("the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get the weight"
+                 if w.masked_fill(future, 0.0).abs().max() < 1e-3
+                 else "the causal mask is shifted by one (the diagonal is masked)" if diag.abs().max() < 1e-3
+                 else masked_share(w, ~future) or "the mask is ignored or applied after the softmax")
+        fail(f"{leak.max().item():.3g}: queries see future keys", what="the largest weight above the diagonal",
+             expected="0", call="attention(Q, K, V=identity, causal mask)", cause=cause, got=w, expected_tensor=ref_w,
+             labels=labels)
+    dropped = (ref_w > 1e-3) & (w == 0)  # an allowed key the target never looks at
+    if dropped.any():
+        i, j = [int(x) for x in dropped.nonzero()[0][-2:]]
+        fail("0, but j <= i is allowed", what=f"the weight of query {i} on key {j}",
+             expected=f"the reference weight {ref_w[..., i, j].flatten()[0].item():.3g}",
+             call="attention(Q, K, V=identity, causal mask)",
+             cause="the causal mask is off by one (triu with diagonal=0 masks the current token?)",
+             got=w, expected_tensor=ref_w, labels=labels)
 
 
-def sunk_inputs(q, k, level: float):
-    """Q', K' of the shapes of Q, K where every raw score is -level: q_i = a e_0, k_j = -a e_0, a = sqrt(level).
+def _causal_outputs(target, q, k, v, mask):
+    """At lengths too long to read the weights: the output under the causal mask matches the reference.
 
-    A correct attention gives each row uniform weights over its allowed keys, in any dtype; a mask
-    that *replaces* masked scores by a finite fill above -level / sqrt(d_k) hands all the weight to
-    the masked keys (one that adds the fill still ranks them lower: the push test catches that one)."""
-    q2, k2 = torch.zeros_like(q), torch.zeros_like(k)  # [..., Tq, Dk], [..., Tk, Dk]
-    q2[..., 0], k2[..., 0] = math.sqrt(level), -math.sqrt(level)
-    return q2, k2
+    A mismatch counts against the mask only when the same target matches the reference without a
+    mask (otherwise its values are wrong, which matches-reference reports); which wrong mask
+    reproduces the output on a few rows names the bug."""
+    got = target.attend(q, k, v, mask)  # [..., Tq, Dv]
+    ref = row_reference(q, k, v, mask)  # on chosen rows at long lengths (checking.rows)
+    if ref.holds(got):
+        return
+    if not row_reference(q, k, v).holds(target.attend(q, k, v, None)):
+        return  # wrong without a mask too: not the mask's failure
+    ref.check(got, what="the output under the causal mask against the float64 reference (without a mask it "
+              "matches)", call="attention(Q, K, V, causal mask)",
+              cause=lambda: _diagnose_causal(got, q, k, v, mask, ref.budget))
+
+
+def _diagnose_causal(got, q, k, v, mask, allowed) -> str:
+    """Which wrong mask reproduces the output, on a few rows (probes.sample_rows)."""
+    rows = probes.sample_rows(q.shape[-2])  # [R] first and last among them
+    i, j = rows[:, None], torch.arange(k.shape[-2])[None, :]  # [R, 1], [1, Tk]
+    m = mask[..., rows.to(mask.device), :].cpu()  # [R, Tk]
+    candidates = [("the mask is ignored", None),
+                  ("the mask is applied with inverted polarity (True taken as 'ignore')", ~m),
+                  ("the causal mask is off by one (the diagonal is masked: triu with diagonal=0?)", m & (j < i))]
+    got_rows = got[..., rows.to(got.device), :]
+    for cause, candidate in candidates:
+        if max_error(got_rows, reference.attention(q[..., rows.to(q.device), :], k, v, candidate)[0]) <= allowed:
+            return cause
+    return "the mask does not reach every query and key (applied to the wrong axis or a fixed-size block?)"
 
 
 def _push_keys(q, k, masked, limit):
@@ -222,98 +298,143 @@ def _check_float_mask(target, case, q, k, v, mask):
                  "reference", call="attention(Q, K, V, float_mask)", cause=cause)
 
 
-def _flat_batch(t, batch):
-    return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])  # [B, T, D]
+@prop("is-causal", family="masking",
+      statement="is_causal=True equals a causal mask (top-left or bottom-right aligned, reported when n_q != n_kv)",
+      cases={"masks": ("none",)}, after=("causal-mask", "matches-reference"), at_scale={"masks": ("none",)},
+      examples=[Case(n_q=3, n_kv=3, d_k=2, d_v=2), Case(n_q=2, n_kv=4, d_k=2, d_v=1, seed=1),
+                Case(n_q=4, n_kv=1, d_k=2, d_v=2, seed=2), Case(n_q=5, n_kv=3, d_k=2, d_v=1, seed=3),
+                # FlashAttention's own tests force rows without keys (bottom-right): (seqlen_q, seqlen_k) =
+                # (239, 1) and (799, 3)
+                Case(n_q=239, n_kv=1, d_k=2, d_v=2, seed=4), Case(n_q=799, n_kv=3, d_k=3, d_v=2, seed=5)],
+      lesson=Lesson(unicode="attn(Q, K, V, is_causal=True) = attn(Q, K, V, mask = [j ≤ i + offset])",
+                    latex=r"\mathrm{attn}(Q,K,V,\mathrm{is\_causal}) = \mathrm{attn}(Q,K,V,\mathrm{mask}=[j \le i + \mathrm{offset}])",
+                    why="A flag is how fused kernels are told to be causal without a mask tensor; if it is ignored or "
+                        "built for square shapes only, a decoder silently sees the future.",
+                    check="Calls the target with is_causal=True and compares with an explicit top-left and bottom-right "
+                          "causal mask; which one matches is reported as a convention.",
+                    example="causal"))
+def is_causal(target, case):
+    """attn(Q, K, V, is_causal=True) = attn(Q, K, V, mask = [j <= i + offset]).
 
-
-@prop("batch-independence", family="batching",
-      statement="each element of the leading batch/head dims is computed on its own: the batched output "
-                "equals the per-example outputs, and broadcast (stride-0) K/V or masks work",
-      conventions=FUNCTION_CONVENTIONS, cases={"batch": True}, after=("rows-sum-to-one",),
-      at_scale="it recomputes every batch element alone; checked at the drawn sizes",
-      examples=[Case(batch=(2,), n_q=2, n_kv=3, d_k=2, d_v=2, seed=5),
-                Case(batch=(2, 2), n_q=2, n_kv=2, d_k=2, d_v=1, mask="random", seed=6)],
-      lesson=Lesson(unicode="out[b] = attn(Q[b], K[b], V[b], mask[b])   for every batch index b",
-                    latex=r"\mathrm{out}[b] = \mathrm{attn}(Q[b], K[b], V[b], \mathrm{mask}[b])\quad \forall b",
-                    check="Runs each batch element alone and compares with its slice of the batched output; makes element 0 "
-                          "huge and checks the others do not move; broadcasts K/V/mask with expand.",
-                    example="batch"))
-def batch_independence(target, case):
-    """out[b] = attn(Q[b], K[b], V[b], mask[b]) for every index b of the leading dims.
-
-    Three checks: each element computed alone equals its slice of the batched output; giving
-    element 0 huge scores leaves every other element's output unchanged; K, V and the mask
-    broadcast along the last batch dim with ``expand`` (stride 0, as in multi-query
-    attention) give what their contiguous copies give. (Multi-head modules take 2-D inputs,
-    so this applies to the function conventions only.)
-
-    Why: batch and head dims are independent sequences; a leak between them trains on
-    other examples' data and breaks as soon as batch composition changes. Catches: batch
-    and sequence dims interleaved by a reshape (batch-first read as sequence-first), a max
-    or sum over the whole tensor (x.max() without dim), ``.view`` on broadcast K/V.
+    offset = 0 (top-left, PyTorch's ``is_causal``) or n_kv - n_q (bottom-right, FlashAttention
+    >= 2.1, KV-cache decoding); for square inputs both are the usual lower triangle. Which one
+    a target uses is a convention, reported in the header; either passes here. Bottom-right with
+    n_q > n_kv leaves the first n_q - n_kv queries without any key: those are fully masked rows,
+    judged by the target's probed ``fully-masked`` behaviour (NaN, zeros or the mean of V, as
+    with a mask; any of the three where it could not be probed), not by the reference's zeros.
+    Catches: the flag ignored, an off-by-one triangle (the diagonal masked: rows that should
+    see keys come out empty), a triangle built for square shapes only.
     """
+    q, k, v, _ = case.tensors()
+    got = target.attend(q, k, v, None, is_causal=True)  # [..., Tq, Dv]
     require_responsive(target, case)
-    if math.prod(case.batch) < 2:
-        raise Uninformative("a single batch element: nothing to be independent of")
-    q, k, v, mask = case.tensors()
-    out = target.attend(q, k, v, mask)  # [..., Tq, Dv]
-    allowed = 2 * budget(q, k, v, mask, reference.attention(q, k, v, mask)[0])
-    for index in itertools.product(*map(range, case.batch)):
-        alone = target.attend(q[index], k[index], v[index], mask if mask is None or mask.dim() == 2 else mask[index])
-        assert_close(out[index], alone, budget=allowed, labels=(
-                     f"element {list(index)} of attention(Q, K, V{with_mask(mask)})",
-                     f"attention(Q{list(index)}, K{list(index)}, V{list(index)}{with_mask(mask)}), the target's "
-                     f"own output on that element alone"),
-                     inputs={"Q": q[index], "K": k[index], "V": v[index],
-                             "mask": mask if mask is None or mask.dim() == 2 else mask[index]},
-                     what=f"batch element {list(index)} of the batched output against the element computed alone",
-                     call=f"attention(Q[{', '.join(map(str, index))}], ...{with_mask(mask)})",
-                     cause="batch elements are mixed (a reshape or view that interleaves the batch with the "
-                           "sequence dim, e.g. batch-first read as sequence-first?)")
-    _check_no_leak(target, case, q, k, v, mask, out, allowed)
-    _check_broadcast(target, q, k, v, mask)
-
-
-def _check_no_leak(target, case, q, k, v, mask, out, allowed):
-    """Huge scores in batch element 0 must not change any other element."""
-    n = math.prod(case.batch)
-    if n < 2:
+    accepted = _empty_row_values(target, case)
+    candidates = {}  # alignment -> (error on the rows with keys, what the rows without keys are if off, budget, reference)
+    for alignment in ("top-left", "bottom-right"):
+        if case.n_q == case.n_kv and candidates:  # square: the same triangle
+            candidates[alignment] = candidates["top-left"]
+            continue
+        ref = row_reference(q, k, v, causal=True, causal_alignment=alignment)  # no [Tq, Tk] mask
+        empty = ~reference.causal_mask(case.n_q, case.n_kv, alignment=alignment).any(dim=-1)  # [Tq] rows without keys
+        odd = _odd_empty_rows(got, v, empty, accepted)
+        seen = got if odd is not None or not empty.any() else got.masked_fill(  # conventional empty rows: the
+            empty.to(got.device)[:, None], 0.0)  # reference's zeros, so only the rows with keys are judged
+        candidates[alignment] = (ref, seen, odd)
+    if any(ref.holds(seen) for ref, seen, _ in candidates.values()):
         return
-    first = (0,) * len(case.batch)
-    q0, k0 = q[first].double(), k[first].double()  # [Tq, Dk], [Tk, Dk]
-    peak = max((q0.abs().sum(dim=-1).max() * k0.abs().max()).item(), q0.abs().max().item())  # bounds |q . k| and |q|
-    gain = push_limit(q.dtype) / max(peak, 1.0)
-    loud = q.clone()
-    loud[first] = (q0 * gain).to(q.dtype)
-    got = _flat_batch(target.attend(loud, k, v, mask), case.batch)[1:]  # [B - 1, Tq, Dv]
-    before = _flat_batch(out, case.batch)[1:]
-    cause = ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
-             "underflow the others to 0/0" if not torch.isfinite(got).all() else
-             "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
-    assert_close(got, before, budget=allowed, call=f"attention(Q', K, V{with_mask(mask)}), Q' = Q with element 0 scaled",
-                 labels=("the other elements' outputs after the scaling", "the target's own outputs before it"),
-                 what=f"the outputs of the other batch elements after scaling the queries of element 0 by {gain:.3g}",
-                 cause=cause)
+    ref, seen, _ = candidates["top-left"]
+    right, right_seen, odd = candidates["bottom-right"]
+    cause = ("is_causal is ignored" if row_reference(q, k, v).error(got) <= ref.budget
+             else f"the rows without keys (bottom-right: the first {case.n_q - case.n_kv} queries) give {odd}, "
+                  f"where the target's fully masked rows give {' or '.join(accepted)} (fully-masked)"
+             if odd is not None and right.holds(got.masked_fill(
+                 (~reference.causal_mask(case.n_q, case.n_kv, alignment="bottom-right").any(dim=-1)).to(got.device)[:, None],
+                 0.0))
+             else "the causal triangle is off by one or misaligned")
+    if ref.why is not None:  # a long case: the top-left triangle's own judgement, which names the row
+        ref.check(got, what="the output against the float64 reference under a top-left causal mask (the "
+                  "bottom-right one does not match either)", call="attention(Q, K, V, is_causal=True)", cause=cause)
+    worst = {"top-left": ref.error(seen), "bottom-right": math.inf if odd is not None else right.error(right_seen)}
+    fail(f"max error {worst['top-left']:.3g} (top-left) and {worst['bottom-right']:.3g} (bottom-right)",
+         what="the output against the reference under either causal alignment", budget=ref.budget,
+         call="attention(Q, K, V, is_causal=True)", cause=cause, got=got, expected_tensor=ref.exact)
 
 
-def _check_broadcast(target, q, k, v, mask):
-    """K, V and mask expanded (stride 0) along the last batch dim == their contiguous copies."""
-    batch = q.shape[:-2]
+def _empty_row_values(target, case) -> tuple[str, ...]:
+    """What a row without keys may be for this target: its probed ``fully-masked`` behaviour, or any
+    of the three conventions where the probe could not tell (``n/a``, ``other``, ``raises``)."""
+    found = behaviour(target, "fully-masked", case.dtype, case.device)
+    return (found,) if found in ("nan", "zeros", "uniform") else ("nan", "zeros", "uniform")
 
-    def shared(t):  # one slice shared along the last batch dim, as multi-query attention shares K/V
-        t = t.expand(*batch, *t.shape[-2:])
-        return t[..., :1, :, :].expand(t.shape)
 
-    k_b, v_b = shared(k), shared(v)
-    m_b = None if mask is None else shared(mask)
-    expected = target.attend(q, k_b.contiguous(), v_b.contiguous(), None if m_b is None else m_b.contiguous())
-    try:
-        got = target.attend(q, k_b, v_b, m_b)
-    except TargetRaised as exc:
-        exc.cause = "broadcast (stride-0) inputs are rejected: a .view() on an expanded tensor? (use .reshape())"
-        raise
-    allowed = 2 * budget(q, k_b, v_b, m_b, reference.attention(q, k_b, v_b, m_b)[0])
-    assert_close(got, expected, budget=allowed, call="attention(Q, K.expand(...), V.expand(...), mask.expand(...))",
-                 labels=("the output on the expanded K, V and mask", "the target's own output on contiguous copies"),
-                 what="the output with K, V and mask expanded with stride 0 against their contiguous copies",
-                 cause="broadcast (stride-0) inputs are read as if contiguous")
+def _odd_empty_rows(got, v, empty, accepted) -> str | None:
+    """None when every row in ``empty`` [Tq] of ``got`` [..., Tq, Dv] is one of ``accepted``; else what they are."""
+    if not empty.any():
+        return None
+    rows = got.detach().to("cpu", F64)[..., empty, :]  # [..., E, Dv]
+    mean = v.detach().to("cpu", F64).mean(dim=-2, keepdim=True)  # [..., 1, Dv] uniform weights over every key
+    tests = {"nan": torch.isnan(rows).all(dim=-1), "zeros": (rows == 0).all(dim=-1),
+             "uniform": torch.isclose(rows, mean.expand_as(rows), rtol=1e-2, atol=1e-2).all(dim=-1)}
+    if any(tests[name].all() for name in accepted):
+        return None
+    return next((name for name, ok in tests.items() if ok.all()), "other values")
+
+
+def _window_of(case) -> int:
+    """1 .. n - 1 keys, from the case's seed: every such window leaves some earlier key out."""
+    return 1 + case.seed % (case.n_kv - 1)
+
+
+@prop("sliding-window", family="masking",
+      statement="with a sliding window of w keys, query i attends exactly the keys i - w < j <= i (its own included)",
+      cases={"cross": False, "masks": ("none", "random")}, after=("causal-mask", "matches-reference"),
+      examples=[Case(n_q=4, n_kv=4, d_k=2, d_v=2, seed=1), Case(n_q=5, n_kv=5, d_k=2, d_v=2, mask="random", seed=2)],
+      lesson=Lesson(unicode="outᵢ = Σ_{i−w < j ≤ i} softmaxⱼ(sᵢⱼ) Vⱼ,   s = Q Kᵀ/√d_k",
+                    latex=r"\mathrm{out}_i = \sum_{i-w < j \le i} \mathrm{softmax}_j(s_{ij})\,V_j,\qquad s = \frac{QK^\top}{\sqrt{d_k}}",
+                    check="Calls the target with a window of w keys (1 ≤ w < n, from the case's seed; hf: the windowed mask"
+                          " HF builds plus sliding_window=w, flash-attn: window_size=(w − 1, 0)) and compares with the "
+                          "windowed float64 reference; on failure it reads the weights with V = I and names the window it "
+                          "did apply.",
+                    example="window"))
+def sliding_window(target, case):
+    """attn_w(Q, K, V)_i = sum over i - w < j <= i of softmax_j(s_ij) V_j, s = Q K^T / sqrt(d_k).
+
+    The window is causal and counts w keys including the query's own (Mistral's and Hugging Face's
+    convention; flash-attn's window_size=(w - 1, 0)); any caller's mask applies on top. Why: local
+    attention layers (Mistral, Gemma 2, Longformer) see only the last w tokens, and a model trained
+    with one window and served with another silently loses or gains context. Catches: a window of
+    w + 1 or w - 1 keys (<= for <), the window ignored, a window that is not causal.
+    """
+    if case.n_kv < 2:
+        return  # one key: every window keeps it
+    q, k, v, mask = case.tensors()
+    w = _window_of(case)
+    if mask is not None:  # every query keeps its own key, so that no row is empty (a convention, not judged here)
+        mask = mask | torch.eye(case.n_q, dtype=torch.bool, device=mask.device)
+    got = target.attend(q, k, v, mask, window=w)  # [..., T, Dv]
+    pattern = reference.causal_mask(case.n_q, case.n_kv, window=w, device=q.device)  # [T, T]
+    allowed_keys = pattern if mask is None else mask & pattern
+    expected = reference.attention(q, k, v, mask, window=w)[0]
+    allowed = budget(q, k, v, allowed_keys, expected)
+    err = max_error(got, expected)
+    if err <= allowed:
+        return
+
+    def ref(keys):
+        return reference.attention(q, k, v, keys if mask is None else keys & mask)[0]
+    i, j = torch.arange(case.n_q)[:, None], torch.arange(case.n_kv)[None, :]
+    candidates = [(f"the window keeps {w + 1} keys, not {w}: i - w <= j where i - w < j was meant (off by one)",
+                   ref(reference.causal_mask(case.n_q, case.n_kv, window=w + 1))),
+                  (f"the window keeps {w - 1} keys, not {w}: off by one at the far end", ref(
+                      reference.causal_mask(case.n_q, case.n_kv, window=w - 1))) if w > 1 else None,
+                  ("the window is ignored: every earlier key is attended (plain causal)",
+                   ref(reference.causal_mask(case.n_q, case.n_kv))),
+                  ("the window is not causal: keys after the query are attended too", ref((j - i).abs() < w)),
+                  ("neither the window nor causality is applied", ref(torch.ones_like(pattern)))]
+    cause = next((text for text, out in filter(None, candidates) if near(got, out, allowed)),
+                 "the window does not select the keys i - w < j <= i")
+    fail(f"max error {err:.3g}", what=f"the output with a window of w = {w} keys against the float64 reference "
+         f"(weights shown)", budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, window={w})",
+         cause=cause, got=weights(target, q, k, mask, window=w),
+         expected_tensor=reference.attention(q, k, v, mask, window=w)[1], labels=WEIGHT_LABELS,
+         mask=allowed_keys.expand(got.shape[:-1] + (case.n_kv,)))  # hatches the keys outside the window

@@ -1,4 +1,4 @@
-"""Numerics: linearity in V, softmax shift invariance, and large scores.
+"""The numerics family: large scores stay finite and right.
 
 Each function's docstring states the math, why it matters, and the bugs it catches.
 """
@@ -7,190 +7,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from attn_spec import reference
 from attn_spec.checking import chunked
-from attn_spec.checking.rows import reference as row_reference
-from attn_spec.checking.assertions import assert_close, assert_within, with_mask
+from attn_spec.checking.assertions import assert_close, with_mask
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.properties.masking import push_limit, sink_levels, sunk_inputs
-from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
+from attn_spec.checking.catalog import Lesson, prop
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import budget, max_error
-from attn_spec.errors import Uninformative
+from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.properties.informative import require_responsive
-
-F64 = torch.float64
-
-
-
-def _second_values(case, like):
-    """Another V of the same shape, drawn like the case's own (small integers or normal)."""
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    if case.values == "integers":
-        v = torch.randint(-2, 3, like.shape, generator=gen).double()
-    else:
-        v = torch.randn(like.shape, generator=gen, dtype=F64)
-    return (v * case.magnitude).to(like)
-
-
-@prop("value-linearity", family="values",
-      statement="the output is linear in V and each output row lies in the convex hull of the rows of V",
-      after=("rows-sum-to-one",),
-      at_scale="an identity of the formula that does not depend on the length: checked at the drawn sizes",
-      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, seed=1),
-                Case(batch=(2,), n_q=3, n_kv=3, d_k=2, d_v=3, values="normal", magnitude=3.0, mask="random", seed=2)],
-      lesson=Lesson(unicode="attn(Q, K, aV₁ + bV₂) = a·attn(Q, K, V₁) + b·attn(Q, K, V₂),   minⱼ Vⱼ ≤ outᵢ ≤ maxⱼ Vⱼ",
-                    latex=r"\mathrm{attn}(Q,K,aV_1+bV_2) = a\,\mathrm{attn}(Q,K,V_1) + b\,\mathrm{attn}(Q,K,V_2),\quad \min_j V_j \le \mathrm{out}_i \le \max_j V_j",
-                    check="Calls the target with V₁, V₂ and a·V₁ + b·V₂ and compares; checks each output lies between the "
-                          "smallest and largest allowed value.",
-                    example="linearity"))
-def value_linearity(target, case):
-    """attn(Q, K, a V1 + b V2) = a attn(Q, K, V1) + b attn(Q, K, V2), and
-    min_j V[j, c] <= out[i, c] <= max_j V[j, c] over the keys j that query i may attend.
-
-    The weights depend on Q and K only; the output is a weighted *average* of value rows.
-    Why: the probes that read weights (V = identity, V = ones) are only valid if V enters
-    linearly, and a model relies on outputs staying on V's scale. Catches: V normalised
-    (QK-norm applied to V too), V divided by its max and never scaled back, an activation
-    applied to V, weights that are not a convex combination.
-    """
-    require_responsive(target, case)
-    q, k, v1, mask = case.tensors()
-    v2 = _second_values(case, v1)
-    a, b = 2.0, -1.0
-    exact = a * v1.double() + b * v2.double()  # [..., Tk, Dv]
-    v3 = exact.to(v1)
-    out1, out2, out3 = (target.attend(q, k, v, mask) for v in (v1, v2, v3))  # [..., Tq, Dv] each
-    wide = torch.cat([v1, v2, v3], dim=-1)  # [..., Tk, 3 Dv]: one reference and one budget cover all three
-    ref = reference.attention(q, k, wide, mask)[0]
-    one = budget(q, k, wide, mask, ref)  # each output's own budget is at most this
-    ref1 = ref[..., :case.d_v]  # [..., Tq, Dv]
-    allowed = (abs(a) + abs(b) + 1) * one + max_error(v3, exact)
-    combined = a * out1.double().cpu() + b * out2.double().cpu()
-
-    def cause():
-        doubled = target.attend(q, k, (2 * v1.double()).to(v1), mask)
-        return ("the output does not scale with V: V is normalised or divided by its max before the weighted sum"
-                if max_error(doubled, out1) <= allowed and max_error(doubled, 2 * ref1) > allowed
-                else "V passes through a nonlinearity (an activation or normalisation) before the weighted sum")
-    assert_close(out3, combined, budget=allowed, call=f"attention(Q, K, {a:g} V1 {b:+g} V2{with_mask(mask)})",
-                 labels=(f"the output on {a:g} V1 {b:+g} V2", f"{a:g} (the output on V1) {b:+g} (the output on V2), "
-                                                             f"the target's own outputs combined"),
-                 what=f"attn(Q, K, {a:g} V1 {b:+g} V2) against {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2)", cause=cause)
-    vals = v1.double().cpu().unsqueeze(-3)  # [..., 1, Tk, Dv]
-    keys = torch.tensor(True) if mask is None else mask.cpu().unsqueeze(-1)  # [..., Tq, Tk, 1] allowed keys
-    lo = torch.where(keys, vals, math.inf).amin(dim=-2)  # [..., Tq, Dv]
-    hi = torch.where(keys, vals, -math.inf).amax(dim=-2)  # [..., Tq, Dv]
-    got = out1.double().cpu()
-    outside = torch.maximum(lo - got, got - hi).nan_to_num(math.inf).max().item()
-    assert_within(outside, one, what="how far an output lies outside the range of the allowed values",
-                  call=f"attention(Q, K, V1{with_mask(mask)})", got=got, expected_tensor=ref1,
-                  cause="the output is not a convex combination of the value rows (negative weights, or "
-                        "weights that do not sum to 1?)")
-
-
-def _not_shift_invariant(q, k, v, mask):
-    """(description, output) for classic weightings that a key shift changes, in float64."""
-    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
-    mask = None if mask is None else mask.cpu()
-
-    def scores(keys):
-        s = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
-        return s if mask is None else s.masked_fill(~mask, -math.inf)
-
-    relu = scores(k).relu()
-    yield "the weights are relu(scores) normalised by their sum, not a softmax", (relu / relu.sum(-1, keepdim=True)) @ v
-    yield "the keys are L2-normalised (cosine similarity), which a shift changes", \
-        torch.softmax(scores(F.normalize(k, dim=-1)), dim=-1) @ v
-    s = scores(k)
-    e = torch.exp(s - s.amax(dim=-2, keepdim=True))  # [..., Tq, Tk]
-    yield "the max for a stable softmax is taken over the queries (dim=-2), not the keys", \
-        (e / e.sum(-1, keepdim=True)) @ v
-
-
-@prop("key-shift-invariance", family="softmax",
-      statement="adding the same vector to every key leaves the output unchanged (softmax shift invariance)",
-      after=("rows-sum-to-one", "scale-sqrt-dk"), cases={"min_n_kv": 2},
-      at_scale="an identity of the formula that does not depend on the length: checked at the drawn sizes",
-      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, seed=1),
-                Case(n_q=3, n_kv=2, d_k=3, d_v=1, dtype="float32", mask="random", seed=2)],
-      lesson=Lesson(unicode="attn(Q, K + 𝟙cᵀ, V) = attn(Q, K, V),   softmax(s + t·𝟙) = softmax(s)",
-                    latex=r"\mathrm{attn}(Q, K + \mathbf{1}c^\top, V) = \mathrm{attn}(Q, K, V),\qquad \mathrm{softmax}(s + t\mathbf{1}) = \mathrm{softmax}(s)",
-                    check="Adds the same vector c to every key and compares the outputs within the budget.",
-                    example="shift"))
-def key_shift_invariance(target, case):
-    """attn(Q, K + 1 c^T, V) = attn(Q, K, V) for any vector c.
-
-    q_i . (k_j + c) = q_i . k_j + q_i . c: every score of row i moves by the same amount,
-    and softmax(s + t) = softmax(s). Why: a softmax is defined up to that shift, which is
-    what makes max-subtraction legal; an attention that is not shift invariant is not a
-    softmax of the scores. Catches: relu or sum normalisation instead of exp, L2-normalised
-    keys, a stabilising max taken over the wrong axis.
-    """
-    require_responsive(target, case)
-    q, k, v, mask = case.tensors()
-    gen = torch.Generator().manual_seed(case.seed + 2)
-    sign = torch.randint(0, 2, (case.d_k,), generator=gen) * 2 - 1
-    direction = (torch.randint(1, 3, (case.d_k,), generator=gen) * sign).double()  # [Dk], entries +-1 or +-2
-    k64, q_sum = k.double(), q.double().abs().sum(dim=-1).max().item()
-    room = push_limit(q.dtype) / (2 * max(q_sum, 1.0))  # the shift moves a raw score by at most push_limit
-    size = min(2 * max(1.0, k64.abs().max().item()), room)
-    shifted = (k64 + size * direction.to(k64.device)).to(k.dtype)  # [..., Tk, Dk]
-    moves = (q.double() @ direction.to(q.device)).abs()  # [..., Tq] how far the shift moves each row's scores
-    keys = torch.ones(case.n_q, case.n_kv, dtype=torch.bool) if mask is None else mask.cpu()
-    if not ((moves.cpu() > 0) & (keys.sum(dim=-1) >= 2)).any():
-        raise Uninformative("the shift moves the scores of no query that has two keys to weigh")
-    ref, ref_shifted = reference.attention(q, k, v, mask)[0], reference.attention(q, shifted, v, mask)[0]
-    allowed = budget(q, k, v, mask, ref) + budget(q, shifted, v, mask, ref_shifted) + max_error(ref_shifted, ref)
-    before, after = target.attend(q, k, v, mask), target.attend(q, shifted, v, mask)  # [..., Tq, Dv]
-    assert_close(after, before, budget=allowed, call=f"attention(Q, K + c, V{with_mask(mask)})",
-                 labels=("the output on K + c", "the target's own output on K, before the shift"),
-                 what=f"the output after adding c = {size:.3g} * {direction.tolist()} to every key",
-                 cause=lambda: _shift_cause(before, after, q, k, shifted, v, mask, allowed))
-
-
-def _shift_cause(before, after, q, k, shifted, v, mask, allowed) -> str:
-    """The classic weighting that reproduces the target's outputs before and after the shift."""
-    def reproduces(got, out):  # NaN where the mistake gives NaN counts as reproduced
-        limit = max(allowed, 1e-3 * max(1.0, out.nan_to_num(0.0).abs().max().item()))
-        return max_error(got.nan_to_num(0.0), out.nan_to_num(0.0)) <= limit
-
-    for (cause, out), (_, out_shifted) in zip(_not_shift_invariant(q, k, v, mask),
-                                              _not_shift_invariant(q, shifted, v, mask)):
-        if reproduces(before, out) and reproduces(after, out_shifted):
-            return cause
-    if torch.isfinite(before).all() and not torch.isfinite(after).all():
-        return "shifted scores overflow exp: subtract each row's max before exp"
-    return "the weights are not a softmax of the scores (a shift of every score in a row changes them)"
-
-
-@derivation("key-shift-invariance")
-def derive_key_shift_invariance():
-    """Adding c to every key adds the same t = scale * q.c to each score of a row; softmax ignores it."""
-    import sympy as sp
-
-    from attn_spec.symbolic import reference_weights_agree, require, softmax_row, symbolic_attention
-
-    q, K, V = sp.Matrix([sp.symbols("q1:3", real=True)]), sp.Matrix(2, 2, sp.symbols("k1:3(1:3)", real=True)), \
-        sp.Matrix(2, 1, sp.symbols("v1:3", real=True))
-    c = sp.Matrix([sp.symbols("c1:3", real=True)])
-    tie = reference_weights_agree()
-    shifted = K + sp.ones(K.rows, 1) * c  # k_j + c for every key j
-    _, A, S = symbolic_attention(q, K, V)
-    _, A2, S2 = symbolic_attention(q, shifted, V)
-    moves = sp.expand(S2 - S)  # [1, Tk]
-    require(all(sp.expand(x - moves[0]) == 0 for x in moves), "keys shifted by c move the scores unequally")
-    s, t = sp.symbols("s1:4", real=True), sp.Symbol("t", real=True)
-    diff = sp.simplify(softmax_row([x + t for x in s]) - softmax_row(s))
-    require(diff == sp.zeros(1, 3), "softmax(s + t) != softmax(s)")
-    require(sp.simplify(A2 - A) == sp.zeros(*A.shape), "the weights change when keys are shifted")
-    return [("keys shifted by the same vector c: scores move by", moves),
-            ("the same t for every key of the row: exp(s_j + t) = e^t exp(s_j), and e^t cancels",
-             diff),
-            ("so the weights of the shifted keys equal the original ones", sp.simplify(A2 - A)),
-            tie]
+from attn_spec.properties.inputs import push_limit, sink_levels, sunk_inputs
 
 
 def _unstable_softmaxes(q, k, v, mask):

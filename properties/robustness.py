@@ -1,7 +1,7 @@
 """Robustness: what a correct formula can still get wrong as code.
 
 Randomness left on at inference, inputs written in place, outputs in the wrong dtype, memory
-layouts assumed, long rows, grouped K/V heads. Each property checks one of them on a black box.
+layouts assumed, long rows. Each property checks one of them on a black box.
 """
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking import chunked
-from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.assertions import assert_close, fail
-from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.properties.core import cross_or_self
-from attn_spec.targets.behaviours import behaviour
-from attn_spec.targets.capabilities import supports
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.errors import TargetRaised
+from attn_spec.targets.capabilities import supports
 from attn_spec.properties.informative import require_responsive
+from attn_spec.properties.inputs import cross_or_self
 
 
 def _output(target, case):
@@ -340,92 +336,3 @@ def _diagnose_long(got, q, k, v, mask, expected, allowed) -> str:
             if max_error(got, partial) <= allowed:
                 return f"only the first {dims} of d_k={d_k} dims enter the scores (a head-dim tile limit)"
     return "long rows lose accuracy (an accumulation kept in a low precision?)"
-
-
-GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV head), picked by the case's seed
-
-
-@prop("gqa-equivalence", family="multi-head",
-      statement="where the target supports grouped-query attention: it equals multi-head attention with K/V "
-                "heads repeated in the target's grouping, probed and reported (blocked: query head h reads KV "
-                "head h // g; tile: h % H_kv)",
-      conventions=FUNCTION_CONVENTIONS, after=("matches-reference", "batch-independence"),
-      at_scale={"masks": ("none",), "grouped": True},
-      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal"),
-                Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)],
-      lesson=Lesson(unicode="attn(Q[g·H_kv heads], K[H_kv], V[H_kv]) = attn(Q, K′, V′),   K′ = repeat_interleave(K, g)",
-                    latex=r"\mathrm{attn}(Q_{[gH_{kv}]}, K_{[H_{kv}]}, V_{[H_{kv}]}) = \mathrm{attn}(Q, K', V'),\quad K' = \mathrm{repeat\_interleave}(K, g)",
-                    check="Calls the target with fewer K/V heads than query heads and compares with the call on K/V "
-                          "repeated with repeat_interleave; a target that refuses unequal head counts is skipped.",
-                    example="gqa"))
-def gqa_equivalence(target, case):
-    """attn(Q [..., g*Hkv, Tq, Dk], K [..., Hkv, Tk, Dk], V) = attn(Q, K', V'), K' = K with each KV head
-    repeated for the g query heads that read it.
-
-    Which query heads share a KV head is a convention, probed (``gqa-grouping`` in the header):
-    blocked, query head h reads KV head h // g (``repeat_interleave``: Llama, Mistral, SDPA's
-    enable_gqa), or tile, h % Hkv (einops ``repeat(k, 'b h n d -> b (g h) n d')``); the
-    property holds the target to the grouping found, and ``--require gqa-grouping=blocked``
-    holds it to one; an ``hf`` function is held to Hugging Face's repeat_kv (blocked). A target
-    that raises on unequal head counts does not support GQA: the property is then a skip (a
-    failure where GQA is required: flex, hf with ``--require gqa`` or a GQA config). Why: GQA shrinks the KV cache g-fold, and a head mapping that
-    changes with the input still trains, only worse. Catches: every query head reading KV
-    head 0, a mapping that is neither grouping. A case with ``kv_heads`` (a fixed shape
-    B,H,HKV,...) is checked with its own grouping.
-    """
-    if case.kv_heads:
-        n_heads, n_kv_heads = case.batch[-1], case.kv_heads
-    else:
-        n_kv_heads, group = GROUPINGS[case.seed % len(GROUPINGS)]
-        n_heads = n_kv_heads * group
-    group = n_heads // n_kv_heads
-    try:
-        got = target.attend(*_grouped_inputs(case, n_heads, n_kv_heads))  # [..., Hq, Tq, Dv]
-    except TargetRaised as exc:
-        if target.gqa_contract:  # grouped heads are part of the convention (hf, flex): raising on them is a failure
-            exc.cause = (f"the target ignores {target.gqa_contract}: K/V heads are not repeated to the query heads "
-                         f"(query head h reads KV head h // g)")
-            raise
-        raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
-                          f"{exc.message}", total=True) from None
-    require_responsive(target, case)
-    grouping = target.gqa_grouping or behaviour(target, "gqa-grouping", case.dtype, case.device)  # hf: repeat_kv's
-    q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
-    repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
-    ref = row_reference(q, *repeated, mask)  # on chosen rows at long lengths (checking.rows)
-    whose = "the convention's" if target.gqa_grouping else "the target's"
-    ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
-              f"in {whose} grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
-              f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
-              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)),
-              inputs={"Q": q, "K": k, "V": v, "mask": mask})
-
-
-def _repeat_heads(t, group, grouping):
-    """K or V [..., Hkv, T, D] -> [..., g * Hkv, T, D] in the grouping: tile [h0, h1, h0, h1], else blocked [h0, h0, h1, h1]."""
-    if grouping == "tile":
-        return t.repeat(*[1] * (t.dim() - 3), group, 1, 1)
-    return t.repeat_interleave(group, dim=-3)
-
-
-def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping, contract=False) -> str:
-    """Which head mapping reproduces the output? ``contract``: the convention fixes ``grouping`` (hf: repeat_kv)."""
-    for other in ("blocked", "tile"):
-        repeated = [_repeat_heads(t, group, other) for t in (k, v)]
-        if other != grouping and max_error(got, chunked.reference_output(q, *repeated, mask)) <= allowed:
-            if contract:
-                return (f"the query heads follow the {other} grouping, but the convention's is {grouping} (Hugging "
-                        f"Face's repeat_kv: query head h reads KV head h // g, as every GQA checkpoint is trained)")
-            return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
-                    f"gqa-grouping={grouping}: the head mapping depends on the input")
-    if max_error(got, chunked.reference_output(q, k[..., :1, :, :], v[..., :1, :, :], mask)) <= allowed:
-        return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
-    return "query heads are mapped to KV heads by neither grouping (blocked h // g, tile h % Hkv)"
-
-def _grouped_inputs(case, n_heads, n_kv_heads):
-    """Q [..., Hq, Tq, Dk], K and V [..., Hkv, Tk, D], mask [..., Hq, Tq, Tk] or [Tq, Tk]."""
-    if case.kv_heads:
-        return case.tensors()  # already grouped
-    q, _, _, mask = case.replace(batch=case.batch + (n_heads,)).tensors()
-    _, k, v, _ = case.replace(batch=case.batch + (n_kv_heads,), seed=case.seed + 1).tensors()
-    return q, k, v, mask

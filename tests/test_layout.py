@@ -131,3 +131,23 @@ def test_the_matrix_check_catches_a_formatter_used_elsewhere():
     assert _formats_a_matrix("from attn_spec.report.text import format_matrix") == ["attn_spec.report.text.format_matrix"]
     assert _formats_a_matrix("ce = {'got_text': text}") == ["'got_text'"]
     assert _formats_a_matrix("from attn_spec.report import render\nrender(result, 'text')") == []
+
+
+SERVING = ("decode", "merge", "varlen", "paged", "prefill")  # the serving family's modules, until they are grouped into one
+
+
+def test_each_property_lives_in_the_module_of_its_family():
+    from attn_spec import properties
+
+    for p in properties.REGISTRY.values():
+        module = p.fn.__module__.rsplit(".", 1)[-1]
+        assert module in SERVING if p.family == "serving" else module == p.family.replace("-", "_"), p.id
+
+
+def test_the_catalog_is_in_its_explicit_order_and_each_check_is_exported():
+    from attn_spec import properties
+
+    assert list(properties.REGISTRY) == list(properties.ORDER)
+    checks = [name for name in properties.__all__ if name not in ("REGISTRY", "Property", "ORDER", "select",
+                                                                   "check_property")]
+    assert [getattr(properties, name).property_id for name in checks] == list(properties.ORDER)

@@ -43,7 +43,7 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     taken = [d for d in dtypes if d in supports.dtypes]
     if not taken:
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
-    if not prop.uses_multihead(convention):  # multi-head cases fit themselves (properties.core.cross_or_self)
+    if not prop.uses_multihead(convention):  # multi-head cases fit themselves (properties.inputs.cross_or_self)
         needs_cross, needs_batch = prop.case_options.get("cross"), prop.case_options.get("batch")
         for ok, needed, option, what, capability in (
                 (supports.cross, needs_cross, "square", "n_q != n_kv", "cross"),

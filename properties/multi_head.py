@@ -1,4 +1,4 @@
-"""The output as a whole: its shape in cross-attention, its heads, its values against the reference.
+"""The multi-head family: heads concatenated equal the per-head form, and grouped K/V heads equal repeated ones.
 
 Each function's docstring states the math, why it matters, and the bugs it catches.
 """
@@ -9,56 +9,17 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking.rows import reference as row_reference
-from attn_spec.checking.assertions import assert_close, fail
+from attn_spec.checking import chunked
+from attn_spec.checking.assertions import assert_close
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.checking.diagnose import diagnose_mismatch
+from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import max_error, multihead_budget
-from attn_spec.errors import Failure
-from attn_spec.properties.core import cross_or_self
-from attn_spec.targets.conventions import MULTIHEAD_CONVENTIONS
-from attn_spec.properties.informative import ignored_inputs, require_responsive
-
-
-@prop("cross-attention-shapes", family="shapes",
-      statement="n_q != n_kv and d_v != d_k give output [..., n_q, d_v]", cases={"cross": True},
-      at_scale="every property's call checks the output shape at such sizes",
-      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=1), Case(n_q=3, n_kv=1, d_k=1, d_v=2)],
-      lesson=Lesson(unicode="Q ∈ ℝ^(n_q×d_k), K ∈ ℝ^(n_kv×d_k), V ∈ ℝ^(n_kv×d_v)  ⇒  attn(Q, K, V) ∈ ℝ^(n_q×d_v)",
-                    latex=r"Q \in \mathbb{R}^{n_q\times d_k},\ K \in \mathbb{R}^{n_{kv}\times d_k},\ V \in \mathbb{R}^{n_{kv}\times d_v}"
-                          r"\ \Rightarrow\ \mathrm{attn}(Q,K,V) \in \mathbb{R}^{n_q\times d_v}",
-                    check="Draws rectangular cases (n_q ≠ n_kv, d_v ≠ d_k); the adapter checks the output shape and the "
-                          "property that it is finite.",
-                    example="shapes"))
-def cross_attention_shapes(target, case):
-    """out = softmax(Q K^T / sqrt(d_k)) V has shape [..., n_q, d_v] for any n_kv and d_k.
-
-    Why: cross-attention (decoder queries over encoder keys) has as many outputs as queries
-    and as wide as the values. Catches: K used for V, the output built from the key count,
-    d_v assumed equal to d_k, a causal mask hard-coded for square shapes.
-    """
-    require_responsive(target, case)
-    q, k, v, mask = case.tensors()
-    out = target.attend(q, k, v, mask)  # shape checked by the adapter: [..., Tq, Dv]
-    if not torch.isfinite(out).all():
-        fail("NaN or inf", what="the output of a rectangular case", expected="finite values",
-             call=f"attention(Q [{case.n_q}, {case.d_k}], K [{case.n_kv}, {case.d_k}], V [{case.n_kv}, {case.d_v}])",
-             cause=lambda: _nonfinite_cause(target, case), got=out,
-             expected_tensor=reference.attention(q, k, v, mask)[0])
-
-
-def _nonfinite_cause(target, case) -> str:
-    """NaN out of a rectangular case: is it the shape, or does a square case give NaN too?"""
-    square = case.replace(n_kv=case.n_q, d_v=case.d_k)
-    try:
-        out = target.attend(*square.tensors())
-    except Failure:
-        out = None
-    if out is not None and not torch.isfinite(out).all():
-        return ("the output has NaN or inf on square inputs too: not a matter of shape (an overflowing exp, a 0/0, "
-                "or reads outside the inputs?)")
-    return "a square shape (n_q == n_kv or d_v == d_k) is assumed somewhere"
+from attn_spec.errors import TargetRaised, Unsupported
+from attn_spec.targets.behaviours import behaviour
+from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, MULTIHEAD_CONVENTIONS
+from attn_spec.properties.informative import require_responsive
+from attn_spec.properties.inputs import cross_or_self
 
 
 @prop("head-concat-equivalence", family="multi-head",
@@ -182,35 +143,91 @@ def derive_head_concat_equivalence():
              f"(max |difference| {float(err):.1g})", concat_n.evalf(6))]
 
 
-@prop("matches-reference", family="values",
-      statement="the output equals the float64 reference within the calibrated tolerance",
-      after=("rows-sum-to-one", "scale-sqrt-dk", "causal-mask"), at_scale={"masks": ("none", "padding")},
-      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2), Case(n_q=3, n_kv=3, d_k=4, d_v=2, mask="random", seed=3),
-                Case(batch=(2,), n_q=2, n_kv=2, d_k=3, d_v=3, values="normal", magnitude=3.0, seed=4),
-                Case(batch=(2, 3), n_q=3, n_kv=4, d_k=2, d_v=3, mask="random", seed=5, layout="heads")],
-      lesson=Lesson(unicode="|attn(Q, K, V) − ref₆₄(Q, K, V)| ≤ k·|naive − ref₆₄| + floor",
-                    latex=r"\left|\mathrm{attn}(Q,K,V) - \mathrm{ref}_{64}(Q,K,V)\right| \le k\,\left|\mathrm{naive} - \mathrm{ref}_{64}\right| + \mathrm{floor}",
-                    check="Compares the output with the float64 reference, elementwise, within a budget calibrated from "
-                          "the error of two naive implementations in the same dtype (attn_spec.checking.tolerance).",
-                    example="output"))
-def matches_reference(target, case):
-    """|attn(Q, K, V) - ref64(Q, K, V)| <= k * |naive - ref64| + floor, elementwise maximum.
+GROUPINGS = ((2, 2), (2, 3), (1, 4), (3, 2))  # (KV heads, query heads per KV head), picked by the case's seed
 
-    ref64 is the canonical formula in float64; naive is the same formula in the inputs'
-    dtype (see attn_spec.checking.tolerance). Why: the structural properties can all hold while the
-    values are still wrong. Catches: a wrong scale, wrong softmax axis, a mask ignored or
-    inverted, float64 inputs computed in float32, precision lost in fp16 overflow.
+
+@prop("gqa-equivalence", family="multi-head",
+      statement="where the target supports grouped-query attention: it equals multi-head attention with K/V "
+                "heads repeated in the target's grouping, probed and reported (blocked: query head h reads KV "
+                "head h // g; tile: h % H_kv)",
+      conventions=FUNCTION_CONVENTIONS, after=("matches-reference", "batch-independence"),
+      at_scale={"masks": ("none",), "grouped": True},
+      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2, values="normal"),
+                Case(batch=(2,), n_q=3, n_kv=3, d_k=4, d_v=3, mask="random", values="normal", seed=1)],
+      lesson=Lesson(unicode="attn(Q[g·H_kv heads], K[H_kv], V[H_kv]) = attn(Q, K′, V′),   K′ = repeat_interleave(K, g)",
+                    latex=r"\mathrm{attn}(Q_{[gH_{kv}]}, K_{[H_{kv}]}, V_{[H_{kv}]}) = \mathrm{attn}(Q, K', V'),\quad K' = \mathrm{repeat\_interleave}(K, g)",
+                    check="Calls the target with fewer K/V heads than query heads and compares with the call on K/V "
+                          "repeated with repeat_interleave; a target that refuses unequal head counts is skipped.",
+                    example="gqa"))
+def gqa_equivalence(target, case):
+    """attn(Q [..., g*Hkv, Tq, Dk], K [..., Hkv, Tk, Dk], V) = attn(Q, K', V'), K' = K with each KV head
+    repeated for the g query heads that read it.
+
+    Which query heads share a KV head is a convention, probed (``gqa-grouping`` in the header):
+    blocked, query head h reads KV head h // g (``repeat_interleave``: Llama, Mistral, SDPA's
+    enable_gqa), or tile, h % Hkv (einops ``repeat(k, 'b h n d -> b (g h) n d')``); the
+    property holds the target to the grouping found, and ``--require gqa-grouping=blocked``
+    holds it to one; an ``hf`` function is held to Hugging Face's repeat_kv (blocked). A target
+    that raises on unequal head counts does not support GQA: the property is then a skip (a
+    failure where GQA is required: flex, hf with ``--require gqa`` or a GQA config). Why: GQA shrinks the KV cache g-fold, and a head mapping that
+    changes with the input still trains, only worse. Catches: every query head reading KV
+    head 0, a mapping that is neither grouping. A case with ``kv_heads`` (a fixed shape
+    B,H,HKV,...) is checked with its own grouping.
     """
-    q, k, v, mask = case.tensors()
-    got = target.attend(q, k, v, mask)  # [..., Tq, Dv]
-    ref = row_reference(q, k, v, mask)  # the float64 reference (on chosen rows at long lengths: checking.rows)
-    ref.check(got, what="the output against the float64 reference",
-              call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
-              cause=lambda: _mismatch(target, got, q, k, v, mask, ref.budget) or ignored_inputs(target, case))
+    if case.kv_heads:
+        n_heads, n_kv_heads = case.batch[-1], case.kv_heads
+    else:
+        n_kv_heads, group = GROUPINGS[case.seed % len(GROUPINGS)]
+        n_heads = n_kv_heads * group
+    group = n_heads // n_kv_heads
+    try:
+        got = target.attend(*_grouped_inputs(case, n_heads, n_kv_heads))  # [..., Hq, Tq, Dv]
+    except TargetRaised as exc:
+        if target.gqa_contract:  # grouped heads are part of the convention (hf, flex): raising on them is a failure
+            exc.cause = (f"the target ignores {target.gqa_contract}: K/V heads are not repeated to the query heads "
+                         f"(query head h reads KV head h // g)")
+            raise
+        raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
+                          f"{exc.message}", total=True) from None
+    require_responsive(target, case)
+    grouping = target.gqa_grouping or behaviour(target, "gqa-grouping", case.dtype, case.device)  # hf: repeat_kv's
+    q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
+    repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
+    ref = row_reference(q, *repeated, mask)  # on chosen rows at long lengths (checking.rows)
+    whose = "the convention's" if target.gqa_grouping else "the target's"
+    ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
+              f"in {whose} grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
+              f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
+              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)),
+              inputs={"Q": q, "K": k, "V": v, "mask": mask})
 
 
-def _mismatch(target, got, q, k, v, mask, allowed) -> str:
-    """The convention's own misreadings first (a [B, S, H, D] kernel read transposed), then the classic mistakes."""
-    got64 = got.detach().cpu().double()
-    own = next((text for text, out in target.mistakes(q, k, v, mask) if max_error(got64, out) <= allowed), "")
-    return own or diagnose_mismatch(got64, q, k, v, mask, allowed)
+def _repeat_heads(t, group, grouping):
+    """K or V [..., Hkv, T, D] -> [..., g * Hkv, T, D] in the grouping: tile [h0, h1, h0, h1], else blocked [h0, h0, h1, h1]."""
+    if grouping == "tile":
+        return t.repeat(*[1] * (t.dim() - 3), group, 1, 1)
+    return t.repeat_interleave(group, dim=-3)
+
+
+def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping, contract=False) -> str:
+    """Which head mapping reproduces the output? ``contract``: the convention fixes ``grouping`` (hf: repeat_kv)."""
+    for other in ("blocked", "tile"):
+        repeated = [_repeat_heads(t, group, other) for t in (k, v)]
+        if other != grouping and max_error(got, chunked.reference_output(q, *repeated, mask)) <= allowed:
+            if contract:
+                return (f"the query heads follow the {other} grouping, but the convention's is {grouping} (Hugging "
+                        f"Face's repeat_kv: query head h reads KV head h // g, as every GQA checkpoint is trained)")
+            return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
+                    f"gqa-grouping={grouping}: the head mapping depends on the input")
+    if max_error(got, chunked.reference_output(q, k[..., :1, :, :], v[..., :1, :, :], mask)) <= allowed:
+        return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
+    return "query heads are mapped to KV heads by neither grouping (blocked h // g, tile h % Hkv)"
+
+
+def _grouped_inputs(case, n_heads, n_kv_heads):
+    """Q [..., Hq, Tq, Dk], K and V [..., Hkv, Tk, D], mask [..., Hq, Tq, Tk] or [Tq, Tk]."""
+    if case.kv_heads:
+        return case.tensors()  # already grouped
+    q, _, _, mask = case.replace(batch=case.batch + (n_heads,)).tensors()
+    _, k, v, _ = case.replace(batch=case.batch + (n_kv_heads,), seed=case.seed + 1).tensors()
+    return q, k, v, mask
