@@ -223,3 +223,30 @@ def flex_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               enable_gqa=H != k.shape[1], return_lse=True)
     out = out[0].transpose(0, 1)  # [T_q, H, Dv]
     return (out, lse[0]) if return_softmax_lse else out
+
+
+def split_decode_kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False,
+                        num_splits=0):
+    """flash-decoding: each element's keys in ``num_splits`` chunks (0: one per 64 keys), each chunk attended on its
+    own, the partial results merged by their log-sum-exp."""
+    B, S, H, D = q.shape
+    lengths = _append(k_cache, v_cache, k, v, cache_seqlens)  # [B]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # half-precision inputs accumulate in float32
+    out = q.new_zeros(B, S, H, v_cache.shape[-1])  # [B, S, H, Dv]
+    for b in range(B):
+        L = int(lengths[b])
+        group = H // k_cache.shape[2]
+        keys = k_cache[b, :L].repeat_interleave(group, 1).to(acc)  # [L, H, D]
+        values = v_cache[b, :L].repeat_interleave(group, 1).to(acc)
+        scores = torch.einsum("shd,lhd->hsl", q[b].to(acc), keys) * scale  # [H, S, L]
+        if causal:
+            scores = scores.masked_fill(torch.arange(L)[None, :] > torch.arange(S)[:, None] + (L - S), -math.inf)
+        size = max(1, math.ceil(L / (num_splits or max(1, math.ceil(L / 64)))))
+        parts = [(torch.logsumexp(scores[..., c:c + size], dim=-1),  # [H, S]
+                  torch.einsum("hsl,lhd->hsd", torch.softmax(scores[..., c:c + size], dim=-1).nan_to_num(0.0),
+                               values[c:c + size])) for c in range(0, L, size)]
+        lse = torch.logsumexp(torch.stack([p[0] for p in parts]), dim=0)  # [H, S]
+        merged = sum(torch.exp(p[0] - lse).nan_to_num(0.0)[..., None] * p[1] for p in parts)  # [H, S, Dv]
+        out[b] = merged.transpose(0, 1).to(q.dtype)
+    return out

@@ -82,6 +82,35 @@ def causal_top_left(c):
                                       causal_alignment="top-left"))
 
 
+@serving_mistake("split-kv-unweighted-merge", convention="decode",
+                 sentence="the partial outputs of the key chunks are averaged, not weighted by exp(lse_chunk - lse): "
+                          "with num_splits > 1 a short chunk counts as much as a long one",
+                 fix="merge the chunks as sum_c exp(lse_c - lse) o_c with lse = logsumexp over the chunks' lse_c",
+                 caught_by=("split-kv-agree",))
+def split_kv_unweighted_merge(c):
+    right = _correct_decode(c)
+    n = c.get("num_splits") or 1
+    if n <= 1:
+        return right
+    q = c["q"].to("cpu", torch.float64)  # [B, S, H, D]
+    S, H, D = q.shape[1:]
+    scale = 1.0 / math.sqrt(D) if c["scale"] is None else float(c["scale"])
+    ends = torch.as_tensor(c["cache_seqlens"]).cpu() + (0 if c["k"] is None else S)  # [B]
+    out = right["out"].clone()  # [B, S, H, Dv]
+    for b, L in enumerate(ends.tolist()):
+        group = H // right["k_after"].shape[2]
+        keys = right["k_after"][b, :L].repeat_interleave(group, 1)  # [L, H, D]
+        values = right["v_after"][b, :L].repeat_interleave(group, 1)
+        scores = scale * torch.einsum("shd,lhd->hsl", q[b], keys)  # [H, S, L]
+        if c["causal"]:
+            scores = scores.masked_fill(torch.arange(L)[None, :] > torch.arange(S)[:, None] + (L - S), -math.inf)
+        size = max(1, math.ceil(L / n))
+        parts = [torch.einsum("hsl,lhd->shd", torch.softmax(scores[..., i:i + size], dim=-1).nan_to_num(0.0),
+                              values[i:i + size]) for i in range(0, L, size)]  # [S, H, Dv] each chunk's own
+        out[b] = sum(parts) / len(parts)
+    return {**right, "out": out}
+
+
 @serving_mistake("cache-tail-read", convention="decode",
                  sentence="every cache row is attended: the rows past cache_seqlens + S_new (a stale tail, the unfilled "
                           "end of the last page) are read as keys",

@@ -35,7 +35,9 @@ from attn_spec.targets.forked import in_child
 from attn_spec.vocabulary import Traits
 
 F64 = torch.float64
-ARGUMENTS = ("k", "v", "cache_seqlens", "cache_leftpad", "block_table", "softmax_scale", "causal", "return_softmax_lse")
+ARGUMENTS = ("k", "v", "cache_seqlens", "cache_leftpad", "block_table", "softmax_scale", "causal", "return_softmax_lse",
+             "num_splits")
+NAMED_ONLY = {"block_table", "num_splits"}  # passed only to a kernel that names them (not through **kwargs)
 
 
 def gather_pages(cache, block_table):
@@ -111,7 +113,7 @@ class DecodeTarget(Target):
         super().__init__(obj, name, masks, **kwargs)
         names = parameter_names(obj) or ()
         # **kwargs takes every argument but block_table: a paged cache only where the signature names it
-        self.accepts = {a for a in ARGUMENTS if a in names} if "kwargs" not in names else set(ARGUMENTS) - {"block_table"}
+        self.accepts = {a for a in ARGUMENTS if a in names} if "kwargs" not in names else set(ARGUMENTS) - NAMED_ONLY
         self.log = None  # a list while a failure is replayed (attn_spec.diagnosis.serving): every call kept
         self.probed = None
 
@@ -122,13 +124,13 @@ class DecodeTarget(Target):
         return "a decode kernel is checked by the decode properties"
 
     def decode(self, q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None, *, causal=True,
-               scale=None, lse=False, block_table=None):
+               scale=None, lse=False, block_table=None, num_splits=None):
         """One call of the kernel: ``out`` [B, S_new, H, D], or ``(out, lse [B, H, S_new])`` with ``lse``. The caches
         are the caller's tensors ([num_blocks, page, H_kv, D] with ``block_table``), written in place by a kernel
         that appends k and v."""
         given = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad,
                  "block_table": block_table, "softmax_scale": scale, "causal": causal or None,
-                 "return_softmax_lse": lse or None}
+                 "return_softmax_lse": lse or None, "num_splits": num_splits}
         given = {key: value for key, value in given.items() if value is not None}
         missing = [key for key in given if key not in self.accepts]
         if missing:
@@ -147,7 +149,7 @@ class DecodeTarget(Target):
         if self.log is not None:
             self.log.append({"q": before[0], "k_cache": before[1], "v_cache": before[2], "cache_seqlens": cache_seqlens,
                              "k": k, "v": v, "cache_leftpad": cache_leftpad, "block_table": block_table,
-                             "causal": causal, "scale": scale,
+                             "causal": causal, "scale": scale, "num_splits": num_splits,
                              "out": out.detach().clone(), "k_after": k_cache.detach().clone(),
                              "v_after": v_cache.detach().clone()})
         return (out, found_lse) if lse else out

@@ -205,3 +205,26 @@ def varlen_keys_off_by_one(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
        mistake="varlen-empty-row-nan", convention="varlen")
 def varlen_nan_on_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, nan_empty=True)
+
+
+correct("decode", name="split_kv_decode_kernel")(load_target(f"{KERNELS}:split_decode_kernel"))
+
+
+@buggy("split-kv-agree", bug="the partial outputs of the key chunks are averaged, not weighted by their LSE",
+       mistake="split-kv-unweighted-merge", convention="decode")
+def split_kv_unweighted_merge(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False, num_splits=0):
+    B, S, H, D = q.shape
+    out = _decode(q, k_cache, v_cache, k, v, cache_seqlens, causal=causal)
+    if num_splits <= 1:
+        return out
+    for b in range(B):
+        L = int(cache_seqlens[b]) + (S if k is not None else 0)
+        size = max(1, math.ceil(L / num_splits))
+        keys, values = k_cache[b, :L].transpose(0, 1), v_cache[b, :L].transpose(0, 1)  # [H, L, D]
+        scores = q[b].transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(D)  # [H, S, L]
+        if causal:
+            scores = scores.masked_fill(torch.arange(L)[None, :] > torch.arange(S)[:, None] + (L - S), -math.inf)
+        parts = [torch.softmax(scores[..., c:c + size], dim=-1).nan_to_num(0.0) @ values[:, c:c + size]
+                 for c in range(0, L, size)]  # [H, S, D] each
+        out[b] = (sum(parts) / len(parts)).transpose(0, 1)
+    return out
