@@ -50,6 +50,8 @@ class Failure(AttnSpecError, AssertionError):
         self.mask, self.summary = mask, summary
         self.vacuous = vacuous
 
+    calls: int | None = None  # the target's calls when the relation failed (set by checking.assertions.fail)
+
 
 class TargetRaised(Failure):
     """The target raised an exception (other than NotImplementedError) on a valid input."""

@@ -1,7 +1,12 @@
 import os
 import tempfile
 
-import torch
+# Every process the tests start (the CLI, pytester's pytest, the sample project, the wheel's check) inherits one
+# intra-op thread, as this process gets one below: `attn-spec check` of the ci-gate sample (default profile, two
+# targets) cost 42 s of CPU with torch's 2 threads spin-waiting on a loaded 2-core machine, 6.5 s with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 - after OMP_NUM_THREADS
 
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "attn-spec-hypothesis"))
 # The tests' tensors are tiny and xdist already runs one worker per core: more intra-op threads only wait

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from attn_spec.checking.assertions import assert_close, assert_within, fail, message, restate
+from attn_spec.checking.assertions import assert_close, assert_within, counting, fail, message, restate
 from attn_spec.errors import Failure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -116,3 +116,21 @@ def test_failures_are_raised_only_through_the_assertions_module():
              for path in sorted((ROOT / folder).rglob("*.py")) if path.name != "assertions.py"
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if "raise Failure(" in line]
     assert not sites, f"raise failures through attn_spec.checking.assertions: {sites}"
+
+
+def test_a_failure_counts_the_calls_made_before_its_cause_is_worded():
+    """A cause that costs calls (a probe of which inputs the output follows) explains the failure; the calls
+    that found it are those made before: Failure.calls, what found_after_calls reports."""
+    class Counted:
+        calls = 3
+
+    target = Counted()
+
+    def cause():
+        target.calls += 6  # the diagnosis calls the target again
+        return "why"
+
+    with counting(target):
+        failure = _raised(fail, "1.2", what="the output", cause=cause)
+    assert (failure.calls, failure.cause, target.calls) == (3, "why", 9)
+    assert _raised(fail, "1.2", what="the output").calls is None  # outside a property's run: nothing counted

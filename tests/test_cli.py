@@ -113,6 +113,16 @@ def test_found_after_calls_counts_from_the_start_of_the_check():
     assert 1 < result["scale-sqrt-dk"].found_after_calls <= report.targets[0].calls
 
 
+def test_found_after_calls_leaves_out_the_calls_that_word_the_cause():
+    """cumulative_values fails on matches-reference's first example; no classic mistake explains it, so its cause
+    probes whether the output follows Q, K and V (six more calls, once per target): not counted (it was 7)."""
+    from gallery.core import cumulative_values
+
+    report = attn_spec.check(cumulative_values, profile="quick", seed=1, only=["matches-reference"], diagnose=False)
+    (result,) = report.targets[0].properties
+    assert result.status == "fail" and result.found_after_calls == 1 and report.targets[0].calls > 7
+
+
 # (TARGET and extra arguments, fragments the message must contain)
 LOAD_ERRORS = {
     "missing file": (["nowhere.py:attention"], ["nowhere.py", "no file"]),

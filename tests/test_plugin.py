@@ -1,7 +1,8 @@
 """The pytest plugin (``--attn-target``) and properties called from a user's own tests.
 
 Every scenario runs a fresh pytest in a subprocess (``pytester``), as a user would, with the
-plugin loaded through its ``pytest11`` entry point and ``--attn-profile quick`` to stay fast.
+plugin loaded through its ``pytest11`` entry point and ``--attn-profile quick`` to stay fast; the usage
+errors, refused before anything is checked, run in this process (a new config, the same entry point).
 """
 import importlib.util
 import re
@@ -124,7 +125,7 @@ def test_inference_only_and_the_targets_output(pytester):
      "ERROR: attn-spec: masks=*from the command line (--attn-masks): 'float' is not one of bool, additive*"),
 ], ids=["unknown-id", "missing-file", "unknown-mask-form"])
 def test_bad_ids_and_unloadable_targets_are_usage_errors(attn_files, args, message):
-    result = attn_files.runpytest_subprocess(*args)
+    result = attn_files.runpytest_inprocess(*args)  # refused before anything runs: no subprocess's torch import
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 

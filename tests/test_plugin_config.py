@@ -1,7 +1,10 @@
 """The pytest plugin configured once: ini keys in every pytest config file, [tool.attn-spec], the
 environment, the same precedence and error messages as `attn-spec check`, and the marker.
 
-Each scenario is a fresh pytest in a subprocess (``pytester``); most only collect (``--collect-only``).
+Each scenario is a fresh pytest (``pytester``). Those that only collect (``--collect-only``: the header, the
+items, a usage error) run in this process (``runpytest_inprocess``: a new config and plugin manager, the plugin
+loaded through its entry point, nothing checked), sparing a torch import each; those that check targets run
+in a subprocess, as a user's CI does.
 """
 import pytest
 
@@ -34,7 +37,7 @@ def test_ini_keys_configure_the_plugin_from_every_pytest_config_file(attn_projec
     keys = f"attn_target = attn_ok.py:attention\nattn_profile = quick\nattn_only = {ONLY}\nattn_seed = 5"
     toml = f'attn_target = ["attn_ok.py:attention"]\nattn_profile = "quick"\nattn_only = ["{ONLY}"]\nattn_seed = "5"'
     (attn_project.path / filename).write_text(content.format(keys=keys, toml=toml))
-    result = attn_project.runpytest_subprocess("--collect-only")  # one run: each costs a torch import
+    result = attn_project.runpytest_inprocess("--collect-only")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["attn-spec *: profile quick, --attn-seed=5, *",
                                  "<TargetCollector attn-spec[[]attn_ok.py:attention[]]>",
@@ -50,7 +53,7 @@ def test_a_bad_ini_value_names_the_file_and_key(attn_project, filename):
                                                                   "attn_profile = huge",
                                                              toml='attn_target = ["attn_ok.py:attention"]\n'
                                                                   'attn_profile = "huge"'))
-    result = attn_project.runpytest_subprocess("--collect-only")
+    result = attn_project.runpytest_inprocess("--collect-only")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: attn-spec: profile='huge' from {filename} {section} attn_profile: "
                                  "must be one of quick, default, thorough, scale"])
@@ -63,7 +66,7 @@ def test_precedence_flag_over_environment_over_ini_over_tool_attn_spec(attn_proj
     monkeypatch.setenv("ATTN_SPEC_SEED", "3")
 
     def header():
-        result = attn_project.runpytest_subprocess("--collect-only", *flags)
+        result = attn_project.runpytest_inprocess("--collect-only", *flags)
         assert result.ret == 0, result.stderr.str()
         return next(line for line in result.outlines if line.startswith("attn-spec 0"))
 
@@ -72,7 +75,7 @@ def test_precedence_flag_over_environment_over_ini_over_tool_attn_spec(attn_proj
     flags = ["--attn-profile", "quick", "--attn-seed", "4"]
     assert "profile quick, --attn-seed=4," in header()
     monkeypatch.setenv("ATTN_SPEC_PROFILE", "huge")
-    result = attn_project.runpytest_subprocess("--collect-only")
+    result = attn_project.runpytest_inprocess("--collect-only")
     result.stderr.fnmatch_lines(["ERROR: attn-spec: profile='huge' from environment ATTN_SPEC_PROFILE: must be one of*"])
 
 

@@ -18,6 +18,8 @@ function: a diagnosis that costs calls is then made only when the assertion fail
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Callable, NoReturn, Union
 
@@ -27,6 +29,21 @@ from attn_spec.checking.tolerance import max_error
 from attn_spec.errors import Failure
 
 Cause = Union[str, Callable[[], str]]
+
+# The target whose calls a failure counts (the runner sets it while a property runs): ``fail`` notes its call
+# count before wording the cause, so Failure.calls is the calls that found the failure, not those that explain it.
+_COUNTED: contextvars.ContextVar = contextvars.ContextVar("attn_spec_counted_target", default=None)
+
+
+@contextlib.contextmanager
+def counting(target):
+    """While this runs, a failure raised through :func:`fail` records ``target.calls`` as it was when the
+    property's relation failed (``Failure.calls``), before a ``cause`` that costs calls is worded."""
+    token = _COUNTED.set(target)
+    try:
+        yield
+    finally:
+        _COUNTED.reset(token)
 
 
 def number(x) -> str:
@@ -52,9 +69,13 @@ def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call
     ``call`` was given, when they are not the case's own (a probe's). ``vacuous``: the property would
     hold only trivially (the output ignores its inputs). ``mask``, ``summary`` (words, or sizes by name): see Failure."""
     labels = labels or (f"the result of {call}" if call else "the target's result", compared_with(what))
-    raise Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
-                  cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
-                  inputs=inputs, vacuous=vacuous, mask=mask, summary=summary, call=call)
+    counted = _COUNTED.get()
+    calls = None if counted is None else counted.calls  # before the cause: its calls explain the failure, not find it
+    failure = Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
+                      cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
+                      inputs=inputs, vacuous=vacuous, mask=mask, summary=summary, call=call)
+    failure.calls = calls
+    raise failure
 
 
 def with_mask(mask, name: str = "mask") -> str:

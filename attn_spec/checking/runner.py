@@ -24,6 +24,7 @@ from attn_spec.targets.capabilities import Supports, parse_capabilities, parse_l
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, PlatformDefect, TargetRaised, Uninformative, Unsupported
+from attn_spec.checking.assertions import counting
 from attn_spec.checking.platform import judge
 from attn_spec.report import Counterexample, PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
@@ -175,7 +176,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         except BaseException as exc:
             exc.attn_case = case
             if result.found_after_calls is None:  # the first failing input, before any shrinking
-                result.found_after_calls = target.calls
+                result.found_after_calls = _calls_to(exc, target)
             raise
         supported[0] += 1
 
@@ -188,7 +189,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet)(test)
     start, output = time.perf_counter(), None
     try:
-        with _hypothesis_home_elsewhere(), capture() as output, _global_rng(seed, prop.id):
+        with _hypothesis_home_elsewhere(), capture() as output, _global_rng(seed, prop.id), counting(target):
             hypothesis_seed(seed)(test)()
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
@@ -270,7 +271,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
     cases = [case for _, made in planned if not isinstance(made, str) for case in made]
     reasons = list(dict.fromkeys(made for _, made in planned if isinstance(made, str)))
     unsupported, uninformative, start = [], [], time.perf_counter()
-    with capture() as output, _global_rng(seed, prop.id):
+    with capture() as output, _global_rng(seed, prop.id), counting(target):
         for case in cases:
             if unsupported and unsupported[-1].total:
                 break
@@ -287,7 +288,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
                 result.status, result.message, result.cause = "fail", failure.message, failure.cause
                 result.message += f" (at {case.summary()})"
                 result.vacuous, result.case = failure.vacuous, case
-                result.found_after_calls = target.calls
+                result.found_after_calls = _calls_to(failure, target)
                 result.counterexample = _counterexample(prop, failure, case, target, seed)
                 break
             except Exception as exc:  # noqa: BLE001 - out of memory, or a bug in the kit: reported, never hidden
@@ -305,6 +306,13 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
         elif skipped:
             result.message = "; ".join([f"checked on {checked} cases at fixed shapes"] + [f"skipped: {r}" for r in skipped])
     return result
+
+
+def _calls_to(exc: BaseException, target: Target) -> int:
+    """The target's calls when ``exc`` showed the property fails: those a cause made to explain it not counted
+    (Failure.calls), else all made so far (the target raised)."""
+    calls = getattr(exc, "calls", None)
+    return target.calls if calls is None else calls
 
 
 def _out_of_memory(exc: BaseException) -> bool:
