@@ -4,6 +4,7 @@ mask in the call, a module's projection weights, small matrices printed whole; S
 types, written by one ``render(what, fmt)``."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from attn_spec.errors import KitUsageError
 from attn_spec.report import Counterexample, PropertyResult, Status, render
 from attn_spec.report.matrices import CORNER, format_matrix
 from gallery import BUGGY
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 20261129
 ENTRIES = {e.name: e for e in BUGGY}
@@ -133,3 +136,16 @@ def test_one_render_writes_every_format():
     assert render(results["causal-mask"], "text").startswith("✗ causal-mask")
     with pytest.raises(KitUsageError):
         render(report, "pdf")
+
+
+def test_a_module_report_says_which_properties_ran_with_heads():
+    """Issue 23.5: a reader of a module's report must know which checks drew heads and weights (so "the first
+    batch element" cannot be read as "the first head")."""
+    report = attn_spec.check(f"{ROOT / 'examples' / 'seed_attention.py'}:MultiHeadAttention", profile="quick", seed=0,
+                             only=["rows-sum-to-one", "head-concat-equivalence"])
+    (line,) = [n for n in report.targets[0].notes if n.startswith("heads: ")]
+    assert "head-concat-equivalence drew 1 to 4 heads" in line and "rows-sum-to-one ran one head" in line
+    assert line in str(report)
+    plain = attn_spec.check(f"{ROOT / 'examples' / 'seed_attention.py'}:attention", profile="quick", seed=0,
+                            only=["rows-sum-to-one"])
+    assert not any(n.startswith("heads: ") for n in plain.targets[0].notes)

@@ -414,6 +414,19 @@ def applicable(props, target: Target) -> list:
             (target.is_attention and set(p.conventions) & attention)]
 
 
+def _heads_note(target, props, results) -> list[str]:
+    """For a multi-head module: which properties drew heads and weights and which ran one head (issue 23.5)."""
+    if not (target.traits is not None and target.traits.multihead):
+        return []
+    ran = {r.id for r in results if r.status not in ("skip", "not-run")}
+    multi = [p.id for p in props if p.id in ran and p.multihead]
+    single = [p.id for p in props if p.id in ran and not p.multihead]
+    parts = ([f"{', '.join(multi)} drew 1 to 4 heads and random W_Q, W_K, W_V, W_O (a counterexample shows them)"]
+             if multi else []) + ([f"{', '.join(single)} ran one head, through projections that select Q, K and V"]
+                                  if single else [])
+    return [f"heads: {'; '.join(parts)}"] if parts else []
+
+
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
                  devices=None, progress=None, require=None, exitfirst=False, expected=(),
                  diagnose=True, verbose=False, rungs=None) -> TargetReport:
@@ -458,7 +471,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     elif diagnose and target.convention in conventions(kind="serving") and any(r.status == "fail" for r in report.properties):
         diagnose_serving(target, report, REGISTRY)  # a serving kernel: its own mistake models, replayed on its calls
     report.properties.extend(probe_errors + _requirements(report, require))
-    report.notes = target.notes()  # with what the calls taught (an hf function reading a module attribute the kit lacks)
+    report.notes = target.notes() + _heads_note(target, props, report.properties)  # with what the calls taught
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()
