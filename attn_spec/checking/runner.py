@@ -29,7 +29,7 @@ from attn_spec.checking.platform import judge
 from attn_spec.report import Counterexample, PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.strategies import get_profile
-from attn_spec.diagnosis.evidence import differs, record
+from attn_spec.targets.record import differs, record
 from attn_spec.diagnosis.run import diagnose_report
 from attn_spec.diagnosis.serving import diagnose_serving
 

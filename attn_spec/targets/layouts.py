@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 
 LAYOUTS = ("bhsd", "bshd")
