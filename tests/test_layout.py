@@ -151,3 +151,34 @@ def test_the_catalog_is_in_its_explicit_order_and_each_check_is_exported():
     checks = [name for name in properties.__all__ if name not in ("REGISTRY", "Property", "ORDER", "select",
                                                                    "check_property")]
     assert [getattr(properties, name).property_id for name in checks] == list(properties.ORDER)
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def test_a_lazy_import_is_an_edge_of_the_graph(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from attn_spec import reference\n    return reference\n", encoding="utf-8")
+    assert _imports("lazy", lazy, _modules()) == {"attn_spec.reference"}
+
+
+ABOVE_TARGETS = ("attn_spec.checking", "attn_spec.diagnosis", "attn_spec.properties", "attn_spec.report",
+                 "attn_spec.grading", "attn_spec.commands", "attn_spec.api", "attn_spec.run")
+
+
+def _below(floor: str, above) -> list[str]:
+    """The imports (lazy ones too) of ``floor``'s modules that climb to a floor in ``above``."""
+    return sorted(f"{name} -> {dep}" for name, deps in _graph().items() if name.startswith(floor + ".")
+                  for dep in deps if any(dep == a or dep.startswith(a + ".") for a in above))
+
+
+def test_no_module_of_targets_imports_checking_or_anything_above_it():
+    assert _below("attn_spec.targets", ABOVE_TARGETS) == []
+
+
+def test_checking_runs_properties_and_the_diagnosis_comes_after_it():
+    """checking/ runs properties into verdicts; the diagnosis, above it, reads them (attn_spec.run.Run)."""
+    assert _below("attn_spec.checking", ("attn_spec.diagnosis", "attn_spec.properties", "attn_spec.api",
+                                         "attn_spec.run", "attn_spec.grading", "attn_spec.commands")) == []
