@@ -228,10 +228,6 @@ class Target:
         """The make_target keywords that rebuild this target (a reproduction snippet passes them on)."""
         return {}
 
-    def mistakes(self, q, k, v, mask):
-        """(description, float64 output) of misreadings specific to this convention, for diagnoses."""
-        return []
-
     def _mask_for_call(self, mask, dtype):
         """The mask in a form the target was promised: a float mask only where declared."""
         if mask is None:

@@ -109,19 +109,6 @@ def _raised_cause(fn, h: Heads) -> str:
     return ""
 
 
-def transposed_reading(q, k, v, mask):
-    """(description, float64 output) of a [B, S, H, D] kernel that attends over the heads instead of the
-    sequence (it reads [B, S, H, D] as [B, H, S, D]); None where those shapes cannot occur."""
-    from attn_spec import reference
-
-    h = Heads(q, k, v, mask)
-    if mask is not None or h.q.shape[-2] != h.k.shape[-2] or h.heads != h.kv_heads:
-        return None
-    out, _ = reference.attention(h.q.transpose(1, 2), h.k.transpose(1, 2), h.v.transpose(1, 2))  # [B, Sq, H, Dv]
-    return ("the kernel reads its [B, S, H, D] inputs as [B, H, S, D]: it attends over the heads instead of "
-            "the sequence (heads and sequence transposed)", h.restore(out.transpose(1, 2)))
-
-
 def detect(call, names) -> tuple[str, str]:
     """(layout, why) of a function-style target: bshd when it takes flash-attn's parameter names, else
     probed on tiny inputs where one reading alone runs, else bhsd.
