@@ -93,7 +93,8 @@ def load_targets(settings: attn_settings.Settings, objects=None, *, name: str | 
     restored. One that cannot be raises TargetLoadError (or KitUsageError: no convention fits), or, given a
     ``not_loaded`` list, is recorded there as ``{"target", "message"}`` (for the exceptions in ``keep``)
     while the others still load."""
-    root, targets, options = settings.bases.get("targets"), [], target_options(settings)
+    root = settings.bases.get("targets") if objects is None else None  # the settings' paths are relative to it
+    targets, options = [], target_options(settings)
     objects = list(settings["targets"] if objects is None else objects)
     masks = settings["masks"] or None  # None: each convention's own
     for obj in objects:

@@ -1,11 +1,12 @@
 """The catalog of executable attention properties (installed as ``attn_spec.properties``).
 
-One module per family of properties; each property is one place: its check, its docstring (math,
-why, what breaks it), its lesson for ``attn-spec explain`` and, for five of them, a sympy derivation.
+One module per family of properties, named after its ``family=`` (every module here is imported, and
+the catalog put in :data:`ORDER`); each property is one place: its check, its docstring (math, why, what
+breaks it), its lesson for ``attn-spec explain`` and, for five of them, a sympy derivation.
 
 Each property is one function ``fn(target, case)`` that returns when the property holds and
 raises :class:`attn_spec.errors.Failure` with a diagnosis when it does not (through
-:mod:`attn_spec.checking.assertions`). ``target`` is an
+:mod:`attn_spec.checking.assertions` and :func:`attn_spec.failures.fail`). ``target`` is an
 adapter from :mod:`attn_spec.targets.conventions` or your own function or module (wrapped with
 ``make_target``); ``case`` a :class:`attn_spec.checking.cases.Case`.
 
