@@ -182,3 +182,21 @@ def test_checking_runs_properties_and_the_diagnosis_comes_after_it():
     """checking/ runs properties into verdicts; the diagnosis, above it, reads them (attn_spec.run.Run)."""
     assert _below("attn_spec.checking", ("attn_spec.diagnosis", "attn_spec.properties", "attn_spec.api",
                                          "attn_spec.run", "attn_spec.grading", "attn_spec.commands")) == []
+
+
+def test_the_plugin_runs_through_the_run_object_and_imports_nothing_private():
+    """The pytest plugin, like attn_spec.check, check_property and reproduce, runs and diagnoses through
+    attn_spec.run.Run: it imports no private name of the kit, nothing of the diagnosis, and of the runner only
+    which properties a target gets."""
+    mods = _modules()
+    tree = ast.parse(mods["attn_spec.pytest_plugin"].read_text(encoding="utf-8"))
+    private = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("attn_spec") for a in n.names
+               if a.name.startswith("_") and not a.name.endswith("__")]
+    assert private == []
+    assert not [d for d in _graph()["attn_spec.pytest_plugin"] if d.startswith("attn_spec.diagnosis")]
+    from_runner = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and n.module == "attn_spec.checking.runner" for a in n.names}
+    assert from_runner <= {"applicable"}  # which properties a target gets; running them is Run's
+    users = [name for name in ("attn_spec.api", "attn_spec.properties") if "attn_spec.run" in _graph()[name]]
+    assert users == ["attn_spec.api", "attn_spec.properties"]
