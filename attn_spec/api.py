@@ -1,7 +1,8 @@
 """The kit's Python API: ``attn_spec.check`` (a whole report) and ``attn_spec.reproduce`` (one case).
 
 ``attn_spec.properties.check_property`` runs one property with Hypothesis from your own tests.
-``plan``, ``load_targets`` and ``run`` are the steps of a check, shared with ``attn-spec check``.
+``plan``, ``load_targets`` and ``run`` are the steps of a check, shared with ``attn-spec check``; every run
+of properties goes through one :class:`attn_spec.run.Run` (run, then diagnose).
 """
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import attn_spec.settings as attn_settings
 from attn_spec.checking.assertions import restate
 from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import Property
-from attn_spec.checking.runner import check_target
 from attn_spec.checking import rows
 from attn_spec.checking.shapes import Rung, rungs
 from attn_spec.checking.strategies import get_profile
-from attn_spec.checking.platform import judge
 from attn_spec.errors import Failure, KitUsageError, PlatformDefect, TargetLoadError, Uninformative
 from attn_spec.properties import select
 from attn_spec.report import Report
 from attn_spec.report.ci import Expectations
-from attn_spec.report.text import REPRODUCE_PLATFORM, platform_head
+from attn_spec.report.text import REPRODUCE_PLATFORM, diagnosis_lines, platform_head
+from attn_spec.run import Run
 from attn_spec.targets.behaviours import parse_requirements
 from attn_spec.targets.capabilities import parse_capabilities
 from attn_spec.targets.conventions import Target, load, make_target, parse_masks
@@ -40,6 +40,12 @@ class Plan:
     devices: list[str]
     expectations: Expectations | None
     rungs: list[Rung] | None = None  # fixed shapes (--shapes, the scale profile), else drawn cases
+
+    def run(self, *, diagnose: bool = True, verbose: bool = False) -> Run:
+        """How its properties run: the dtypes named in the settings or fixed by the shapes' rungs, else each
+        target convention's own (hf: no float64), else all."""
+        given = self.dtypes if self.settings["dtypes"] or self.rungs else None
+        return Run(self.settings["profile"], self.seed, given, self.devices, self.rungs, diagnose, verbose)
 
 
 def plan(settings: attn_settings.Settings) -> Plan:
@@ -78,29 +84,34 @@ def target_options(settings: attn_settings.Settings) -> dict:
             "hf_module_attr": settings["hf-module-attr"] or None, "hf_config": settings["hf-config"]}
 
 
-def load_targets(settings: attn_settings.Settings, name: str | None = None, *, not_loaded: list | None = None,
+def load_targets(settings: attn_settings.Settings, objects=None, *, name: str | None = None,
+                 not_loaded: list | None = None, keep=(TargetLoadError, KitUsageError),
                  verbose: bool = False) -> list[Target]:
-    """The TARGET specs of the settings, loaded: what importing each printed is kept, the global state it
-    changed restored (attn_spec.targets.conventions.load). One that cannot be raises TargetLoadError (or
-    KitUsageError: no convention fits), or, given a ``not_loaded`` list, is recorded there as
-    ``{"target", "message"}`` while the others still load."""
-    root, targets = settings.bases.get("targets"), []
-    for spec in settings["targets"]:
+    """The targets: ``objects`` (functions, modules, adapters, TARGET strings; default: the settings' TARGET
+    specs), each wrapped in its convention (``name``: the name of a single one). A TARGET string is imported as
+    attn_spec.targets.conventions.load does: what importing it printed is kept, the global state it changed
+    restored. One that cannot be raises TargetLoadError (or KitUsageError: no convention fits), or, given a
+    ``not_loaded`` list, is recorded there as ``{"target", "message"}`` (for the exceptions in ``keep``)
+    while the others still load."""
+    root = settings.bases.get("targets") if objects is None else None  # the settings' paths are relative to it
+    targets, options = [], target_options(settings)
+    objects = list(settings["targets"] if objects is None else objects)
+    masks = settings["masks"] or None  # None: each convention's own
+    for obj in objects:
+        key = name if name and len(objects) == 1 else (obj if isinstance(obj, str) else None)
         try:
-            targets.append(load(spec, settings["convention"], name=name or spec, root=root,
-                                masks=settings["masks"] or None, inference_only=settings["inference-only"],
-                                verbose=verbose, **target_options(settings)))
-        except (TargetLoadError, KitUsageError) as exc:
+            target = obj if isinstance(obj, Target) else \
+                load(obj, settings["convention"], name=key, root=root, masks=masks,
+                     inference_only=settings["inference-only"], verbose=verbose, **options) if isinstance(obj, str) \
+                else make_target(obj, key, settings["convention"], masks, verbose=verbose, **options)
+        except keep as exc:  # an adapter class that raises when instantiated: the others still run
             if not_loaded is None:
                 raise
-            not_loaded.append({"target": spec, "message": str(exc)})
+            not_loaded.append({"target": key or getattr(obj, "__qualname__", repr(obj)), "message": str(exc)})
+            continue
+        target.masks = parse_masks(masks) or target.masks
+        targets.append(target)
     return targets
-
-
-def dtypes_for(target: Target, plan: Plan) -> list[str]:
-    """The dtypes named in the settings or fixed by the shapes' rungs, else the target convention's own (hf: no
-    float64), else all."""
-    return plan.dtypes if plan.settings["dtypes"] or plan.rungs else list(target.default_dtypes or plan.dtypes)
 
 
 def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True,
@@ -109,15 +120,13 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
     ``diagnose``: group each target's failures by root (attn_spec.diagnosis); off, only the catalog's order.
     ``verbose``: keep all the output the targets printed, warned and logged, not only the count and
     first occurrence. ``not_loaded``: targets that could not be loaded, listed in the report."""
-    s = plan.settings
+    s, checks = plan.settings, plan.run(diagnose=diagnose, verbose=verbose)
     expected = set(plan.expectations.ids) if plan.expectations else set()
     reports = []
     for target in targets:
         target.inference_only = target.inference_only or s["inference-only"]
-        reports.append(check_target(target, plan.properties, profile=s["profile"], seed=plan.seed,
-                                    dtypes=dtypes_for(target, plan), devices=plan.devices, progress=progress,
-                                    require=s["require"], exitfirst=exitfirst, expected=expected, diagnose=diagnose,
-                                    verbose=verbose, rungs=plan.rungs))
+        reports.append(checks.target(target, plan.properties, require=s["require"], progress=progress,
+                                     exitfirst=exitfirst, expected=expected))
     shapes = list(dict.fromkeys(str(r.shape) for r in plan.rungs or ()))
     report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes,
                     not_loaded=list(not_loaded), shapes=shapes, rows_judged=rows.rules(plan.rungs or ()))
@@ -165,21 +174,10 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     else:
         settings = attn_settings.load(given, path=None if config is True else config)
     checked_plan = plan(settings)
-    masks = settings["masks"] or None  # None: each convention's own
     not_loaded = []
-    if targets:
-        loaded, options = [], target_options(settings)
-        for obj in targets:
-            key = name if len(targets) == 1 else (obj if isinstance(obj, str) else None)
-            try:
-                loaded.append(obj if isinstance(obj, Target) else
-                              load(obj, settings["convention"], name=key, masks=masks, verbose=verbose, **options)
-                              if isinstance(obj, str) else make_target(obj, key, settings["convention"], masks,
-                                                                      verbose=verbose, **options))
-            except TargetLoadError as exc:  # an adapter class that raises when instantiated: the others still run
-                not_loaded.append({"target": key or getattr(obj, "__qualname__", repr(obj)), "message": str(exc)})
-        for target in loaded:
-            target.masks = parse_masks(masks) or target.masks
+    if targets:  # given here: one that cannot be wrapped is listed in the report, the others still run
+        loaded = load_targets(settings, targets, name=name, not_loaded=not_loaded, keep=(TargetLoadError,),
+                              verbose=verbose)
     elif settings["targets"]:
         loaded = load_targets(settings, verbose=verbose)
     else:
@@ -206,9 +204,9 @@ def reproduce(property_id: str, target, case, *, convention=None, masks=None, re
     if require:
         adapter.required = frozenset(parse_capabilities(require))
     try:
-        judge(prop, adapter, case)
+        Run().case(prop, adapter, case)
     except Failure as failure:
-        restate(failure, f"{property_id}: ", _diagnosed(property_id, adapter, case, failure))
+        restate(failure, f"{property_id}: ", _diagnosed(failure))
     except PlatformDefect as exc:  # the kit's own formula fails on these inputs too: not the target's failure
         note = {**exc.note, "cases": 1, "properties": [property_id]}
         print(f"{property_id} on {case.summary()}: {platform_head(note)}\n{REPRODUCE_PLATFORM}\n{note['reproduce']}")
@@ -219,18 +217,12 @@ def reproduce(property_id: str, target, case, *, convention=None, masks=None, re
     print(f"{property_id} holds on {case.summary()}")
 
 
-def _diagnosed(property_id: str, adapter, case, failure: Failure) -> str:
-    """What the diagnosis finds for this one failure, and the target's own traceback when it raised."""
-    from attn_spec.checking.catalog import REGISTRY
-    from attn_spec.diagnosis.run import diagnose_one
-    from attn_spec.report import PropertyResult
-    from attn_spec.report.text import diagnosis_lines
-
-    result = PropertyResult(property_id, "fail", failure.message, cause=failure.cause, case=case)
-    diagnosis = diagnose_one(adapter, result, REGISTRY)
+def _diagnosed(failure: Failure) -> str:
+    """What the diagnosis found for this one failure, and the target's own traceback when it raised."""
+    diagnosis = failure.diagnosis
     lines = diagnosis_lines(diagnosis, pad="")
     trace = getattr(failure, "user_traceback", "") or getattr(diagnosis, "traceback", "")
     return "\n".join(lines + (["traceback of the target:", trace] if trace else []))
 
 
-__all__ = ["check", "reproduce", "plan", "load_targets", "run", "Plan"]
+__all__ = ["check", "reproduce", "plan", "load_targets", "run", "Plan", "Run"]

@@ -52,7 +52,7 @@ def mistake_sections(mistake_id: str) -> dict:
 def _example_calls(m):
     """(call, lines describing its inputs) for a worked example, in order: the lessons' Q, K, V first, then
     inputs that tell more mistakes from the correct formula (d_v != d_k, a batch of two, a wide d_k)."""
-    from attn_spec.diagnosis.record import Call
+    from attn_spec.targets.record import Call
 
     mask = reference.causal_mask(2, 2) if m.family == "masking" else None
     shown_mask = [_m("causal mask (True = may attend)", mask.double())] if mask is not None else []
@@ -96,7 +96,7 @@ def _more_example_calls(m, mask, shown_mask):
     """Inputs that tell the rest apart: large float32 scores, a row with no allowed key, n_q != n_kv with
     negative values, a float mask, the call's own arguments (is_causal, a scale, a window, a softcap), scores
     above a clamp, grouped K/V heads, strided and expanded inputs, many keys, and a backward pass."""
-    from attn_spec.diagnosis.record import Call
+    from attn_spec.targets.record import Call
 
     big = {"q": (40 * Q).float(), "k": (40 * K.flip(0)).float(), "v": V.float()}  # scores to ±2263: exp overflows
     yield Call("attend", {**big, "mask": mask}), [_m("Q (float32)", big["q"]), _m("K (float32)", big["k"]),
@@ -141,7 +141,7 @@ def _more_example_calls(m, mask, shown_mask):
 
 
 def _vjp_with_mask():
-    from attn_spec.diagnosis.record import Call
+    from attn_spec.targets.record import Call
 
     causal = reference.causal_mask(2, 2)
     yield Call("vjp", {"q": Q, "k": K, "v": V, "mask": causal, "grad_out": torch.ones(2, 2, dtype=F64)}), \
@@ -181,7 +181,7 @@ def example_call(m):
 
 
 def _doubled(call):
-    from attn_spec.diagnosis.record import Call
+    from attn_spec.targets.record import Call
 
     x = dict(call.inputs)
     for name in ("x_q", "x_kv", "q", "k", "v"):

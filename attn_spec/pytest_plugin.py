@@ -166,6 +166,7 @@ class Checker:
         try:
             self.plan = api.plan(settings)
             self.plan.seed = seed
+            self.run = self.plan.run(verbose=True)  # each item: its property, then the diagnosis of a failure
             self.targets = targets if targets is not None else \
                 dict(zip(settings["targets"], api.load_targets(settings)))
         except (KitUsageError, TargetLoadError) as exc:
@@ -251,16 +252,12 @@ class PropertyItem(_AttnItem):
         self.prop = prop
 
     def runtest(self) -> None:
-        from attn_spec.api import dtypes_for
-        from attn_spec.checking.catalog import REGISTRY
-        from attn_spec.checking.runner import run_property
-        from attn_spec.diagnosis.run import diagnose_one
         from attn_spec.report import render
 
         c = self.checker
-        target = c.targets[self.key]
-        result = run_property(self.prop, target, profile=c.profile, seed=c.plan.seed, dtypes=dtypes_for(target, c.plan),
-                              devices=c.plan.devices, verbose=True, rungs=c.plan.rungs)
+        failed = c.failed.setdefault(self.key, set())
+        named = c.named.setdefault(self.key, {})  # mistake id -> the first item that named it
+        result, diagnosis, blocker = c.run.property(self.prop, c.targets[self.key], failed=failed, shortlist=named)
         for kind, found in (result.output or {}).items():  # shown as pytest shows a test's captured output
             text = found["all"] if isinstance(found["all"], str) else "\n".join(
                 item["text"] + (f" (x{item['count']})" if item["count"] > 1 else "") for item in found["all"])
@@ -268,14 +265,10 @@ class PropertyItem(_AttnItem):
         if result.status == "skip":
             pytest.skip(f"{self.prop.id}: {result.message}")
         if result.status in ("fail", "error"):
-            failed = c.failed.setdefault(self.key, set())
-            named = c.named.setdefault(self.key, {})  # mistake id -> the first item that named it
-            diagnosis = diagnose_one(c.targets[self.key], result, REGISTRY, shortlist=list(named))
-            blockers = [b for b in self.prop.after if b in failed]
             if not result.vacuous:  # a property that held only trivially explains nothing else
                 failed.add(self.prop.id)
-            note = (f"note: {blockers[0]} already failed on this target, and its failure explains this one: "
-                    f"fix that first" if blockers else "")
+            note = (f"note: {blocker} already failed on this target, and its failure explains this one: "
+                    f"fix that first" if blocker else "")
             if diagnosis is not None and diagnosis.named:
                 if diagnosis.mistake in named:
                     note = (f"note: {named[diagnosis.mistake]} already failed on this target with the same root "
@@ -292,23 +285,12 @@ class RequirementItem(_AttnItem):
         self.requirement = requirement
 
     def runtest(self) -> None:
-        from attn_spec.api import dtypes_for
-        from attn_spec.checking.runner import _requirements
-        from attn_spec.report import TargetReport
-        from attn_spec.targets.behaviours import probe_behaviours
-        from attn_spec.targets.capabilities import probe_capabilities
-
-        c, target = self.checker, self.checker.targets[self.key]
+        c = self.checker
         if self.key not in c.probed:
-            report = TargetReport(target.name, target.convention)
-            dtypes = dtypes_for(target, c.plan)
-            dtype = "float32" if "float32" in dtypes else dtypes[0]
-            report.behaviours = probe_behaviours(target, dtype, c.plan.devices[0])
-            report.capabilities, report.lacks = probe_capabilities(target, dtypes, c.plan.devices[0])
-            c.probed[self.key] = report
+            c.probed[self.key] = c.run.probe(c.targets[self.key])
         kind, _, name = self.requirement.partition(":")
         wanted = [r for r in c.settings["require"] if (r.partition("=")[0] if "=" in r else r) == name]
-        (result,) = [r for r in _requirements(c.probed[self.key], wanted) if r.id == self.requirement]
+        (result,) = [r for r in c.run.requirements(c.probed[self.key], wanted) if r.id == self.requirement]
         if result.status == "fail":
             self.fail(f"✗ {result.id}: {result.statement}\n  what happened: {result.message}", result.id)
 

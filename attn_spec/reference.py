@@ -34,6 +34,15 @@ def causal_mask(n_q: int, n_kv: int, *, alignment: str = "top-left", device=None
     return (j <= i) if window is None else (j <= i) & (j > i - window)  # [Tq, Tk]
 
 
+def fold_causal(mask, n_q: int, n_kv: int, window=None):
+    """``mask`` (bool, float or None) with the causal pattern folded in (and a window of w keys, if any):
+    a call's ``is_causal``/``window`` written as its mask."""
+    tril = causal_mask(n_q, n_kv, window=window)  # [Tq, Tk]: causal, and within the window if any
+    if mask is None:
+        return tril
+    return tril & mask if mask.dtype == torch.bool else mask.masked_fill(~tril, -math.inf)
+
+
 def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment="top-left", window=None,
               softcap=None):
     """Scaled dot-product attention in float64 on the CPU; returns ``(out, weights)``.

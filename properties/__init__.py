@@ -1,11 +1,12 @@
 """The catalog of executable attention properties (installed as ``attn_spec.properties``).
 
-One module per family of properties; each property is one place: its check, its docstring (math,
-why, what breaks it), its lesson for ``attn-spec explain`` and, for five of them, a sympy derivation.
+One module per family of properties, named after its ``family=`` (every module here is imported, and
+the catalog put in :data:`ORDER`); each property is one place: its check, its docstring (math, why, what
+breaks it), its lesson for ``attn-spec explain`` and, for five of them, a sympy derivation.
 
 Each property is one function ``fn(target, case)`` that returns when the property holds and
 raises :class:`attn_spec.errors.Failure` with a diagnosis when it does not (through
-:mod:`attn_spec.checking.assertions`). ``target`` is an
+:mod:`attn_spec.checking.assertions` and :func:`attn_spec.failures.fail`). ``target`` is an
 adapter from :mod:`attn_spec.targets.conventions` or your own function or module (wrapped with
 ``make_target``); ``case`` a :class:`attn_spec.checking.cases.Case`.
 
@@ -26,12 +27,10 @@ import random
 import sys
 
 from attn_spec.checking.catalog import REGISTRY, Property
-from attn_spec.checking.cases import DTYPES, available_devices
-from attn_spec.checking.runner import run_property
-from attn_spec.diagnosis.run import diagnose_one
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import KitUsageError
 from attn_spec.report import render
+from attn_spec.run import Run
 from attn_spec.settings import did_you_mean
 from attn_spec.targets.conventions import Target, make_target, parse_masks
 
@@ -95,9 +94,8 @@ def check_property(property_id: str, target, *, convention=None, profile="defaul
     adapter = target if isinstance(target, Target) else make_target(target, convention=convention, masks=masks)
     adapter.masks = parse_masks(masks) or adapter.masks
     seed = random.randrange(2**32) if seed is None else seed
-    dtypes = list(dtypes or adapter.default_dtypes or DTYPES)
-    result = run_property(prop, adapter, profile=profile, seed=seed, dtypes=dtypes,
-                          devices=list(devices or available_devices()))
+    run = Run(profile, seed, list(dtypes) if dtypes else None, list(devices) if devices else None)
+    result, diagnosis, _ = run.property(prop, adapter)
     if result.status in ("fail", "error"):
-        raise AssertionError(render(result, "text", diagnosis=diagnose_one(adapter, result, REGISTRY), traceback=True))
+        raise AssertionError(render(result, "text", diagnosis=diagnosis, traceback=True))
     return result

@@ -12,7 +12,7 @@ from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, assert_within, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.checking.diagnose import diagnose_mismatch
+from attn_spec.diagnosis.mismatch import explain
 from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import budget, max_error
 from attn_spec.properties.informative import ignored_inputs, require_responsive
@@ -44,14 +44,8 @@ def matches_reference(target, case):
     ref = row_reference(q, k, v, mask)  # the float64 reference (on chosen rows at long lengths: checking.rows)
     ref.check(got, what="the output against the float64 reference",
               call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
-              cause=lambda: _mismatch(target, got, q, k, v, mask, ref.budget) or ignored_inputs(target, case))
+              cause=lambda: explain(target, got, q, k, v, mask, ref.budget) or ignored_inputs(target, case))
 
-
-def _mismatch(target, got, q, k, v, mask, allowed) -> str:
-    """The convention's own misreadings first (a [B, S, H, D] kernel read transposed), then the classic mistakes."""
-    got64 = got.detach().cpu().double()
-    own = next((text for text, out in target.mistakes(q, k, v, mask) if max_error(got64, out) <= allowed), "")
-    return own or diagnose_mismatch(got64, q, k, v, mask, allowed)
 
 
 def _second_values(case, like):

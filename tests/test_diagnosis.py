@@ -20,7 +20,7 @@ from attn_spec.diagnosis import MISTAKES
 from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.numbers import masked_share, name_scale, weight_factor
 from attn_spec.diagnosis.replay import Evidence, fits
-from attn_spec.diagnosis.record import Recorder
+from attn_spec.targets.record import Recorder
 from attn_spec.mistake_lessons import mistake_sections
 from attn_spec.targets.conventions import make_target
 from gallery import BUGGY
@@ -263,7 +263,7 @@ def test_a_worked_example_differs_from_the_correct_output(mid):
 
 def test_differs_is_not_fooled_by_rounding_or_a_convention():
     from attn_spec.diagnosis.predict import CORRECT, predict
-    from attn_spec.diagnosis.record import Call
+    from attn_spec.targets.record import Call
     from attn_spec.mistake_lessons import differs
 
     q = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # float32

@@ -63,7 +63,7 @@ def test_when_the_second_probe_matches_none_the_root_says_ambiguous():
 
 
 def test_the_variants_change_one_thing_each():
-    from attn_spec.diagnosis.record import Call
+    from attn_spec.targets.record import Call
 
     q, k, v = torch.ones(2, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64), torch.ones(3, 1,
                                                                                                         dtype=torch.float64)

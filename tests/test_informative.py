@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import attn_spec
 from attn_spec import properties, reference
 from attn_spec.checking.cases import Case, MhaCase
-from attn_spec.checking.diagnose import diagnose_mismatch
+from attn_spec.diagnosis.mismatch import diagnose_mismatch, explain
 from attn_spec.checking.runner import mark_blocked
 from attn_spec.errors import Failure, Uninformative
 from attn_spec.properties.informative import ignored_inputs, require_responsive
@@ -142,6 +142,43 @@ def test_the_root_names_an_output_that_is_no_attention(make, words):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, generator=gen, dtype=torch.float64) for _ in range(3))
     assert words in diagnose_mismatch(make(q, k, v), q, k, v, None, 1e-12)
+
+
+def _wrong(scale=None, dim=-1, ignore_mask=False):
+    """A classic mistake written out by hand: the properties' causes must name it."""
+    def attention(q, k, v, mask):
+        s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale(q.shape[-1]))  # [Tq, Tk]
+        if mask is not None and not ignore_mask:
+            s = s.masked_fill(~mask, -math.inf)
+        return torch.softmax(s, dim=dim) @ v  # [Tq, Dv]
+    return attention
+
+
+@pytest.mark.parametrize("wrong, masked, words", [
+    (_wrong(scale=lambda d: 1.0), False, "not scaled (missing 1/sqrt(d_k))"),
+    (_wrong(scale=lambda d: 1 / d), False, "scaled by 1/d_k instead of 1/sqrt(d_k)"),
+    (_wrong(scale=lambda d: d ** 0.5), False, "multiplied by sqrt(d_k)"),
+    (_wrong(dim=-2), False, "the softmax runs over the query axis"),
+    (_wrong(dim=-2), True, "the softmax runs over the query axis"),
+    (_wrong(ignore_mask=True), True, "the mask is ignored"),
+])
+def test_the_cause_names_a_classic_mistake(wrong, masked, words):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = reference.causal_mask(3, 3) if masked else None
+    assert words in diagnose_mismatch(wrong(q, k, v, mask), q, k, v, mask, 1e-9)
+
+
+def test_the_cause_names_a_bshd_kernel_that_attends_over_the_heads():
+    def kernel(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):  # [B, S, H, D], read as [B, H, S, D]
+        return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, is_causal=causal)
+
+    target = make_target(kernel, convention="sdpa", layout="bshd")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))  # [B, H, S, D]
+    got = target.attend(q, k, v, None)
+    assert "attends over the heads instead of the sequence" in explain(target, got, q, k, v, None, 1e-9)
+    assert explain(make_target(kernel, convention="sdpa", layout="bhsd"), got, q, k, v, None, 1e-9) == ""
 
 
 def test_json_marks_the_vacuous_rows():

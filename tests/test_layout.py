@@ -151,3 +151,52 @@ def test_the_catalog_is_in_its_explicit_order_and_each_check_is_exported():
     checks = [name for name in properties.__all__ if name not in ("REGISTRY", "Property", "ORDER", "select",
                                                                    "check_property")]
     assert [getattr(properties, name).property_id for name in checks] == list(properties.ORDER)
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def test_a_lazy_import_is_an_edge_of_the_graph(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from attn_spec import reference\n    return reference\n", encoding="utf-8")
+    assert _imports("lazy", lazy, _modules()) == {"attn_spec.reference"}
+
+
+ABOVE_TARGETS = ("attn_spec.checking", "attn_spec.diagnosis", "attn_spec.properties", "attn_spec.report",
+                 "attn_spec.grading", "attn_spec.commands", "attn_spec.api", "attn_spec.run")
+
+
+def _below(floor: str, above) -> list[str]:
+    """The imports (lazy ones too) of ``floor``'s modules that climb to a floor in ``above``."""
+    return sorted(f"{name} -> {dep}" for name, deps in _graph().items() if name.startswith(floor + ".")
+                  for dep in deps if any(dep == a or dep.startswith(a + ".") for a in above))
+
+
+def test_no_module_of_targets_imports_checking_or_anything_above_it():
+    assert _below("attn_spec.targets", ABOVE_TARGETS) == []
+
+
+def test_checking_runs_properties_and_the_diagnosis_comes_after_it():
+    """checking/ runs properties into verdicts; the diagnosis, above it, reads them (attn_spec.run.Run)."""
+    assert _below("attn_spec.checking", ("attn_spec.diagnosis", "attn_spec.properties", "attn_spec.api",
+                                         "attn_spec.run", "attn_spec.grading", "attn_spec.commands")) == []
+
+
+def test_the_plugin_runs_through_the_run_object_and_imports_nothing_private():
+    """The pytest plugin, like attn_spec.check, check_property and reproduce, runs and diagnoses through
+    attn_spec.run.Run: it imports no private name of the kit, nothing of the diagnosis, and of the runner only
+    which properties a target gets."""
+    mods = _modules()
+    tree = ast.parse(mods["attn_spec.pytest_plugin"].read_text(encoding="utf-8"))
+    private = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("attn_spec") for a in n.names
+               if a.name.startswith("_") and not a.name.endswith("__")]
+    assert private == []
+    assert not [d for d in _graph()["attn_spec.pytest_plugin"] if d.startswith("attn_spec.diagnosis")]
+    from_runner = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and n.module == "attn_spec.checking.runner" for a in n.names}
+    assert from_runner <= {"applicable"}  # which properties a target gets; running them is Run's
+    users = [name for name in ("attn_spec.api", "attn_spec.properties") if "attn_spec.run" in _graph()[name]]
+    assert users == ["attn_spec.api", "attn_spec.properties"]

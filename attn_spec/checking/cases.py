@@ -10,14 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from attn_spec.dtypes import DTYPES
 from attn_spec.reference import causal_mask
-
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def available_devices() -> list[str]:

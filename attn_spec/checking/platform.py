@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from attn_spec import reference
+from attn_spec.reference import fold_causal
 from attn_spec.checking import chunked, grad_tolerance, tolerance
 from attn_spec.checking.platform_snippet import snippet
 from attn_spec.errors import Failure, PlatformDefect
@@ -139,7 +140,6 @@ def _defects(outputs, expected):
 
 def _options(x: dict):
     """(q, k, v, mask, scale, cap): the call's tensors, with a causal or windowed pattern folded into the mask."""
-    from attn_spec.diagnosis.predict import fold_causal
     q, k, v, mask = x["q"], x["k"], x["v"], x.get("mask")
     if x.get("window") is not None:
         mask = fold_causal(mask, q.shape[-2], k.shape[-2], x["window"])

@@ -1,4 +1,6 @@
-"""Run properties against a target with Hypothesis and collect its TargetReport."""
+"""Run properties against a target with Hypothesis and collect its TargetReport.
+
+The diagnosis of what failed comes after, above this floor (attn_spec.run.Run runs, then diagnoses)."""
 from __future__ import annotations
 
 import contextlib
@@ -29,9 +31,7 @@ from attn_spec.checking.platform import judge
 from attn_spec.report import Counterexample, PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.strategies import get_profile
-from attn_spec.diagnosis.evidence import differs, record
-from attn_spec.diagnosis.run import diagnose_report
-from attn_spec.diagnosis.serving import diagnose_serving
+from attn_spec.targets.record import differs, record
 
 
 def _snippet(prop: Property, case, target: Target, seed: int, call: str = "", own: bool = True) -> str:
@@ -328,11 +328,17 @@ def mark_blocked(results) -> None:
     failed = {r.id for r in results if r.status == "fail" and not r.vacuous}
     for r in results:
         if r.status == "fail":
-            blockers = [b for b in ((ROOT,) if r.vacuous else ()) + REGISTRY[r.id].after if b in failed and b != r.id]
-            r.blocked_by = blockers[0] if blockers else None
+            r.blocked_by = blocker(r, failed)
 
 
-def _requirements(report: TargetReport, require) -> list[PropertyResult]:
+def blocker(result, failed) -> str | None:
+    """The failed property (of the ids ``failed``) whose failure explains ``result``'s, or None."""
+    blockers = [b for b in ((ROOT,) if result.vacuous else ()) + REGISTRY[result.id].after
+                if b in failed and b != result.id]
+    return blockers[0] if blockers else None
+
+
+def requirements(report: TargetReport, require) -> list[PropertyResult]:
     """One result per ``--require`` item: a pass, or a failure saying what was required and found."""
     results = []
     for key, value in parse_requirements(require).items():
@@ -429,9 +435,9 @@ def _heads_note(target, props, results) -> list[str]:
 
 def check_target(target: Target, props: list[Property], *, profile="default", seed=0, dtypes=None,
                  devices=None, progress=None, require=None, exitfirst=False, expected=(),
-                 diagnose=True, verbose=False, rungs=None) -> TargetReport:
-    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target; then, when
-    something failed and ``diagnose``, group the failures by root (:mod:`attn_spec.diagnosis`).
+                 verbose=False, rungs=None) -> TargetReport:
+    """Run ``props`` (in catalog order; see :func:`attn_spec.properties.select`) on one target, each failure
+    blocked by the earlier one that explains it (the roots come after: attn_spec.run.Run).
 
     ``exitfirst``: after the first failure of a property not in ``expected`` (an expectations file's
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
@@ -464,13 +470,13 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         if result.found_after_calls is not None:
             result.found_after_calls -= probe_calls
     mark_blocked(report.properties)
-    if diagnose and target.is_attention and any(r.status == "fail" for r in report.properties):
-        start = time.perf_counter()
-        diagnose_report(target, report, REGISTRY)
-        report.diagnosis_seconds = time.perf_counter() - start
-    elif diagnose and target.convention in conventions(kind="serving") and any(r.status == "fail" for r in report.properties):
-        diagnose_serving(target, report, REGISTRY)  # a serving kernel: its own mistake models, replayed on its calls
-    report.properties.extend(probe_errors + _requirements(report, require))
+    report.properties.extend(probe_errors + requirements(report, require))
+    return finish(report, target)
+
+
+def finish(report: TargetReport, target: Target) -> TargetReport:
+    """What the target's calls left, in its report (again after a diagnosis has replayed some)."""
+    props = [REGISTRY[r.id] for r in report.properties if r.id in REGISTRY]
     report.notes = target.notes() + _heads_note(target, props, report.properties)  # with what the calls taught
     report.calls = target.calls
     report.inference_only = target.inference_only

@@ -38,19 +38,27 @@ def eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
-def naive_attention(q, k, v, mask=None, *, scale=None):
-    """The seed's formula in the inputs' dtype and device, with the scale applied to Q first.
-
-    Reordering the operations (FlashAttention's ``reorder_ops``) makes its rounding differ
-    from the float64 reference even when the inputs are float64.
-    """
+def same_dtype_attention(q, k, v, mask=None, *, scale=None, first_scale=True, softcap=None, fused=False):
+    """The seed's formula in the inputs' dtype and device: the one formula every budget samples ordinary
+    rounding with, in one of its orders. ``first_scale``: the scale applied to Q first (FlashAttention's
+    ``reorder_ops``: its rounding differs from the float64 reference even on float64 inputs), else to the
+    scores; ``softcap``: cap * tanh(s / cap) before the mask; ``fused``: torch.softmax, else exp and sum."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q * scale) @ k.transpose(-2, -1)  # [..., Tq, Dk] x [..., Dk, Tk] -> [..., Tq, Tk]
+    scores = (q * scale) @ k.transpose(-2, -1) if first_scale else q @ k.transpose(-2, -1) * scale  # [..., Tq, Tk]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if fused:
+        return torch.softmax(scores, dim=-1) @ v  # [..., Tq, Dv]
     weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # [..., Tq, Tk]
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights @ v  # [..., Tq, Tk] x [..., Tk, Dv] -> [..., Tq, Dv]
+
+
+def naive_attention(q, k, v, mask=None, *, scale=None):
+    """The formula with the scale applied to Q first, softmax as exp and sum."""
+    return same_dtype_attention(q, k, v, mask, scale=scale)
 
 
 def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -70,11 +78,7 @@ def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def seed_attention(q, k, v, mask=None, *, scale=None):
     """The seed's formula verbatim, in the inputs' dtype: a second sample of ordinary rounding."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * scale  # [..., Tq, Tk]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.softmax(scores, dim=-1) @ v  # [..., Tq, Dv]
+    return same_dtype_attention(q, k, v, mask, scale=scale, first_scale=False, fused=True)
 
 
 def by_rows(impl, q, k, v, mask=None, *, scale=None, causal=False, causal_alignment="top-left"):
@@ -150,12 +154,7 @@ def multihead_budget(x_q, x_kv, weights, n_heads, mask, ref_out) -> float:
 def softcap_attention(q, k, v, mask, cap: float, *, first_scale: bool, scale=None):
     """The ordinary formula under logit soft-capping (cap * tanh(s / cap) before the mask), in the inputs'
     dtype, with the scale applied to Q first (``first_scale``) or to the scores."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q * scale) @ k.transpose(-2, -1) if first_scale else q @ k.transpose(-2, -1) * scale  # [..., Tq, Tk]
-    scores = cap * torch.tanh(scores / cap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.softmax(scores, dim=-1) @ v  # [..., Tq, Dv]
+    return same_dtype_attention(q, k, v, mask, scale=scale, first_scale=first_scale, softcap=cap, fused=True)
 
 
 def softcap_budget(q, k, v, mask, ref_out, cap: float) -> float:

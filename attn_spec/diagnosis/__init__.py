@@ -3,7 +3,7 @@
 - :mod:`~attn_spec.diagnosis.model`: the ``Mistake`` record, ``@mistake`` and the building blocks;
 - :mod:`~attn_spec.diagnosis.mistakes`, ``mistakes_masks``, ``mistakes_code``, ``mistakes_ecosystem``,
   ``mistakes_module``, ``mistakes_dropout``, ``mistakes_alibi``: the catalog;
-- :mod:`~attn_spec.diagnosis.record`: the calls a replayed failure made;
+- :mod:`~attn_spec.targets.record` (beside the calls it records): the calls a replayed failure made;
 - :mod:`~attn_spec.diagnosis.predict`: what a model does on one call;
 - :mod:`~attn_spec.diagnosis.replay`: which models reproduce the calls of a failure;
 - :mod:`~attn_spec.diagnosis.evidence`, ``roots``, ``run``: replays, one root per bug, the report;

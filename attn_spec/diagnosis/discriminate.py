@@ -20,7 +20,7 @@ from attn_spec.diagnosis import replay
 from attn_spec.diagnosis.evidence import one_thread
 from attn_spec.diagnosis.model import MISTAKES
 from attn_spec.diagnosis.predict import Prediction, predict
-from attn_spec.diagnosis.record import Call
+from attn_spec.targets.record import Call
 from attn_spec.errors import Failure, Unsupported
 
 F64 = torch.float64

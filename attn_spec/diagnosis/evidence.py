@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attn_spec.diagnosis import replay
-from attn_spec.diagnosis.record import Call, Recorder, same
+from attn_spec.targets.record import Call, differs, record, same
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 
 
@@ -32,50 +32,6 @@ class FailureEvidence:
 
     def fit_for(self, mistake_id: str):
         return next((f for f in self.fits if f.mistake.id == mistake_id), None)
-
-
-def record(fn, target, case) -> tuple[list[Call], BaseException | None]:
-    """Run ``fn(target, case)`` once with fresh module instances, keeping every call into the target."""
-    target.fresh_instances()
-    target.recorder = Recorder()
-    raised = None
-    try:
-        fn(target, case)
-    except (Failure, Unsupported) as exc:
-        raised = exc
-    except Exception as exc:  # noqa: BLE001 - a bug of the kit's own: the evidence stops here
-        raised = exc
-    finally:
-        calls, target.recorder = target.recorder.calls, None
-    return calls, raised
-
-
-def differs(first: list[Call], second: list[Call]) -> bool:
-    """Did the same inputs give different outputs (or a different outcome) in two replays?"""
-    for a, b in zip(first, second):
-        if a.kind != b.kind or not a.kept or not b.kept or not _same_inputs(a, b):
-            return False  # the replays took different paths: nothing to compare from here on
-        if (a.error is None) != (b.error is None) or not _same_out(a.out, b.out):
-            return True
-    return False
-
-
-def _same_inputs(a: Call, b: Call) -> bool:
-    for name, x in a.inputs.items():
-        y = b.inputs.get(name)
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor) and not same(x, y):
-            return False
-    return True
-
-
-def _same_out(x, y) -> bool:
-    if isinstance(x, tuple) and isinstance(y, tuple):
-        return len(x) == len(y) and all(_same_out(a, b) for a, b in zip(x, y))
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        return same(x, y)
-    return type(x) is type(y)
 
 
 def _nonfinite(ev: replay.Evidence) -> bool:

@@ -14,23 +14,7 @@ import itertools
 import torch
 
 from attn_spec.diagnosis.model import F64, correct
-
-WRONG_TYPES = {  # what came back -> the sentence's words for it, and what else to say
-    "ndarray": ("a numpy.ndarray", "NumPy also leaves the autograd graph"),
-    "list": ("a list", "a list is no tensor: keep the output one tensor"),
-    "tuple": ("a tuple", "the convention returns the output alone, without the weights"),
-    "float": ("a float", "was .item() or float() called on the output?"),
-    "int": ("an int", "a Python number is no tensor"),
-    "NoneType": ("None", "is a return statement missing?"),
-}
-
-
-def type_words(out) -> tuple[str, str]:
-    """(``"a numpy.ndarray"``, why) for a returned object that is not a tensor."""
-    name = type(out).__name__
-    return WRONG_TYPES.get(name, (f"a {type(out).__module__}.{name}".replace("builtins.", ""),
-                                  "the convention returns a torch.Tensor"))
-
+from attn_spec.targets.base import type_words
 
 def _returned(call):
     """The non-tensor a call returned, or None (a tensor, a crash, a call not kept)."""

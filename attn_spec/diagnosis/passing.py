@@ -14,7 +14,8 @@ import dataclasses
 import torch
 
 from attn_spec.diagnosis import replay
-from attn_spec.diagnosis.evidence import one_thread, record
+from attn_spec.diagnosis.evidence import one_thread
+from attn_spec.targets.record import record
 from attn_spec.diagnosis.predict import predict
 
 

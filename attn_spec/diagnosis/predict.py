@@ -7,14 +7,13 @@ rows a convention decides (rows with no allowed key) make its :class:`Prediction
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from attn_spec import reference
+from attn_spec.reference import fold_causal
 from attn_spec.diagnosis.model import F64, Mistake, capped, collecting_free, correct, lift
-from attn_spec.diagnosis.record import Call, snapshot
+from attn_spec.targets.record import Call, snapshot
 from attn_spec.errors import NotDifferentiable
 
 CORRECT = Mistake("correct", correct, "attend", "the correct formula", "", "")
@@ -37,13 +36,6 @@ def observed(call: Call) -> Prediction:
 
 def grouped(q, k) -> bool:
     return q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0
-
-
-def fold_causal(mask, n_q, n_kv, window=None):
-    tril = reference.causal_mask(n_q, n_kv, window=window)  # [Tq, Tk]: causal, and within the window if any
-    if mask is None:
-        return tril
-    return tril & mask if mask.dtype == torch.bool else mask.masked_fill(~tril, -math.inf)
 
 
 def _prepared(m: Mistake, call: Call, names):

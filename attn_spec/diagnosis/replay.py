@@ -18,7 +18,7 @@ from attn_spec import reference
 from attn_spec.checking import grad_tolerance, tolerance
 from attn_spec.diagnosis.model import F64, MISTAKES, Mistake
 from attn_spec.diagnosis.predict import CORRECT, Prediction, fold_causal, grouped, input_dtype, observed, predict
-from attn_spec.diagnosis.record import Call
+from attn_spec.targets.record import Call
 
 PRECISION = "computes-in-float32"
 

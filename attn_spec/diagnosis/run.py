@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -14,6 +15,7 @@ from attn_spec.diagnosis import fits
 from attn_spec.diagnosis.discriminate import separate_all
 from attn_spec.diagnosis.fold import fold
 from attn_spec.diagnosis.roots import Diagnosis, generic, group, settle
+from attn_spec.diagnosis.serving import diagnose_serving
 from attn_spec.targets.base import conventions
 
 
@@ -120,3 +122,16 @@ def diagnose_report(target, report, registry) -> None:
             result.blocked_by = None if pid == d.root else d.root
             if d.named:
                 result.cause = d.sentence
+
+
+def diagnose_target(target, report, registry) -> None:
+    """The roots of a checked target's failures, in its report: an attention's by the mistake catalog (the
+    time it took in ``report.diagnosis_seconds``), a serving kernel's by its own models, replayed on its calls."""
+    if not any(r.status == "fail" and r.id in registry for r in report.properties):
+        return
+    if target.is_attention:
+        start = time.perf_counter()
+        diagnose_report(target, report, registry)
+        report.diagnosis_seconds = time.perf_counter() - start
+    elif target.convention in conventions(kind="serving"):
+        diagnose_serving(target, report, registry)

@@ -23,7 +23,8 @@ from dataclasses import replace
 from attn_spec.checking.catalog import REGISTRY
 from attn_spec.diagnosis import MISTAKES
 from attn_spec.diagnosis import replay
-from attn_spec.diagnosis.evidence import one_thread, record
+from attn_spec.diagnosis.evidence import one_thread
+from attn_spec.targets.record import record
 from attn_spec.diagnosis.roots import Diagnosis
 from attn_spec.diagnosis.run import case_of, replayable
 from attn_spec.errors import Failure

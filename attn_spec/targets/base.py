@@ -12,8 +12,8 @@ import math
 import torch
 
 from attn_spec import vocabulary
-from attn_spec.checking.assertions import fail, message
 from attn_spec.errors import KitUsageError, NotDifferentiable, TargetRaised, Unsupported
+from attn_spec.failures import fail, message
 from attn_spec.targets.detached import how_detached
 from attn_spec.targets.guard import StateGuard, passes_through
 from attn_spec.targets.loading import raised_on_purpose, user_traceback
@@ -76,11 +76,26 @@ def _call(fn, args, call: str, state: StateGuard):
         raise TargetRaised(exc, call, user_traceback(exc)) from None
 
 
+WRONG_TYPES = {  # what came back -> its words (the diagnosis names the root by them too), and what else to say
+    "ndarray": ("a numpy.ndarray", "NumPy also leaves the autograd graph"),
+    "list": ("a list", "a list is no tensor: keep the output one tensor"),
+    "tuple": ("a tuple", "the convention returns the output alone, without the weights"),
+    "float": ("a float", "was .item() or float() called on the output?"),
+    "int": ("an int", "a Python number is no tensor"),
+    "NoneType": ("None", "is a return statement missing?"),
+}
+
+
+def type_words(out) -> tuple[str, str]:
+    """(``"a numpy.ndarray"``, why) for a returned object that is not a tensor."""
+    name = type(out).__name__
+    return WRONG_TYPES.get(name, (f"a {type(out).__module__}.{name}".replace("builtins.", ""),
+                                  "the convention returns a torch.Tensor"))
+
+
 def check_output(out, shape: tuple, call: str) -> torch.Tensor:
     """The output must be a tensor of the contract's shape."""
     if not isinstance(out, torch.Tensor):
-        from attn_spec.diagnosis.measured import type_words  # the diagnosis names the root by the same words
-
         words, why = type_words(out)
         fail(words, what="the output", expected=f"a torch.Tensor of shape {list(shape)}",
              call=call, cause=f"returns {words}: return a torch.Tensor ({why})")
@@ -165,7 +180,7 @@ class Target:
         self.behaviours = None  # its probed behaviours, once probed (attn_spec.targets.behaviours)
         self.state = StateGuard()
         self.output: dict[str, dict] = {}  # phase before the checks (the import) -> captured output
-        self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.diagnosis.record)
+        self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.targets.record)
         self.platform_notes: dict = {}  # platform defects the kit's own formula showed on its calls (checking.platform)
 
     def fresh_instances(self) -> None:
@@ -212,10 +227,6 @@ class Target:
     def options(self) -> dict:
         """The make_target keywords that rebuild this target (a reproduction snippet passes them on)."""
         return {}
-
-    def mistakes(self, q, k, v, mask):
-        """(description, float64 output) of misreadings specific to this convention, for diagnoses."""
-        return []
 
     def _mask_for_call(self, mask, dtype):
         """The mask in a form the target was promised: a float mask only where declared."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec.checking.cases import DTYPES
+from attn_spec.dtypes import DTYPES
 from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
 from attn_spec.targets.capabilities import supports
 

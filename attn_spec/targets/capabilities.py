@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn_spec.checking.cases import DTYPES
+from attn_spec.dtypes import DTYPES
 from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.reference import causal_mask
 from attn_spec.targets.base import conventions

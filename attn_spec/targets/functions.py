@@ -45,10 +45,6 @@ class LayoutTarget(Target):
     def options(self):
         return {"layout": self.layout} if self.layout_why == "given" else {}
 
-    def mistakes(self, q, k, v, mask):
-        found = layouts.transposed_reading(q, k, v, mask) if self.layout == "bshd" else None
-        return [found] if found else []
-
 
 class FunctionTarget(LayoutTarget):
     """``attention(Q, K, V, mask=None) -> out``."""

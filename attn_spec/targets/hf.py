@@ -39,7 +39,7 @@ import sys
 import torch
 
 from attn_spec import reference
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.targets.base import MASK_FORMS, Target, _call, parameter_names
 from attn_spec.targets.hf_module import HfModule, MissingAttribute, config_groups, parse_module_attrs, read_config

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 
 LAYOUTS = ("bhsd", "bshd")
@@ -107,19 +107,6 @@ def _raised_cause(fn, h: Heads) -> str:
         return ("the kernel reads its [B, S, H, D] inputs as [B, H, S, D] (heads and sequence transposed): it runs "
                 "when given [B, H, S, D]; transpose(1, 2) inside it, or pass --layout bhsd if that is its layout")
     return ""
-
-
-def transposed_reading(q, k, v, mask):
-    """(description, float64 output) of a [B, S, H, D] kernel that attends over the heads instead of the
-    sequence (it reads [B, S, H, D] as [B, H, S, D]); None where those shapes cannot occur."""
-    from attn_spec import reference
-
-    h = Heads(q, k, v, mask)
-    if mask is not None or h.q.shape[-2] != h.k.shape[-2] or h.heads != h.kv_heads:
-        return None
-    out, _ = reference.attention(h.q.transpose(1, 2), h.k.transpose(1, 2), h.v.transpose(1, 2))  # [B, Sq, H, Dv]
-    return ("the kernel reads its [B, S, H, D] inputs as [B, H, S, D]: it attends over the heads instead of "
-            "the sequence (heads and sequence transposed)", h.restore(out.transpose(1, 2)))
 
 
 def detect(call, names) -> tuple[str, str]:

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import KitUsageError, Unsupported
 from attn_spec.targets.base import Target, _call
 from attn_spec.vocabulary import Traits

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import TargetLoadError, TargetRaised, Unsupported
 from attn_spec.targets.base import MASK_FORMS, PROJECTIONS, Target, _call, check_output
 from attn_spec.targets.guard import StateGuard, passes_through

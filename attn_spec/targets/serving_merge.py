@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import Unsupported
 from attn_spec.targets.base import Target, _call
 from attn_spec.vocabulary import Traits

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from attn_spec.checking.assertions import fail
+from attn_spec.failures import fail
 from attn_spec.errors import Unsupported
 from attn_spec.targets.base import Target, _call, parameter_names
 from attn_spec.targets.forked import call_in_child

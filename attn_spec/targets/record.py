@@ -1,6 +1,6 @@
 """What a target was called with and what it did: the evidence a diagnosis is built from.
 
-While a failing property is replayed on its minimal case, every call into the target is kept as
+While a failing property is replayed on its minimal case (:func:`record`), every call into the target is kept as
 a :class:`Call`: the inputs as the target saw them (copied before the call, strides and storage
 kept, so that a kernel reading raw memory can be modelled), what came back (an output, a tuple,
 or the exception it raised, with the line of the target's own code that raised it), and which
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn_spec.errors import NotDifferentiable, TargetRaised, Unsupported
+from attn_spec.errors import Failure, NotDifferentiable, TargetRaised, Unsupported
 
 MAX_ELEMENTS = 1 << 21  # a call with more input elements is kept without its tensors (not replayed)
 
@@ -124,3 +124,47 @@ def _unflat(values: dict, like: dict) -> dict:
 
 def _tensors(inputs: dict):
     return [value for _, value in _flat(inputs) if isinstance(value, torch.Tensor)]
+
+
+def record(fn, target, case) -> tuple[list[Call], BaseException | None]:
+    """Run ``fn(target, case)`` once with fresh module instances, keeping every call into the target."""
+    target.fresh_instances()
+    target.recorder = Recorder()
+    raised = None
+    try:
+        fn(target, case)
+    except (Failure, Unsupported) as exc:
+        raised = exc
+    except Exception as exc:  # noqa: BLE001 - a bug of the kit's own: the evidence stops here
+        raised = exc
+    finally:
+        calls, target.recorder = target.recorder.calls, None
+    return calls, raised
+
+
+def differs(first: list[Call], second: list[Call]) -> bool:
+    """Did the same inputs give different outputs (or a different outcome) in two replays?"""
+    for a, b in zip(first, second):
+        if a.kind != b.kind or not a.kept or not b.kept or not _same_inputs(a, b):
+            return False  # the replays took different paths: nothing to compare from here on
+        if (a.error is None) != (b.error is None) or not _same_out(a.out, b.out):
+            return True
+    return False
+
+
+def _same_inputs(a: Call, b: Call) -> bool:
+    for name, x in a.inputs.items():
+        y = b.inputs.get(name)
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor) and not same(x, y):
+            return False
+    return True
+
+
+def _same_out(x, y) -> bool:
+    if isinstance(x, tuple) and isinstance(y, tuple):
+        return len(x) == len(y) and all(_same_out(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return same(x, y)
+    return type(x) is type(y)

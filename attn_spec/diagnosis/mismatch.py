@@ -1,4 +1,8 @@
-"""Name the likely bug behind a mismatch by testing which classic mistake reproduces the output."""
+"""Name the likely bug behind one mismatch (a property's own cause, before any replay) by testing which
+classic mistake reproduces the output: each computed by the reference formula with the mistake's options.
+
+A convention's own misreadings come first (a [B, S, H, D] kernel that reads its inputs as [B, H, S, D]);
+the report's roots come from the catalog's models replayed on the failure's calls (attn_spec.diagnosis.run)."""
 from __future__ import annotations
 
 import math
@@ -8,16 +12,41 @@ import torch
 from attn_spec import reference
 from attn_spec.checking import chunked, probes
 from attn_spec.checking.tolerance import max_error, naive_attention
+from attn_spec.targets.layouts import Heads
 
 F64 = torch.float64
 
 
 def _softmax_attention(q, k, v, mask, *, scale, dim=-1):
-    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
-    scores = scale * (q @ k.transpose(-2, -1))  # [..., Tq, Tk]
-    if mask is not None:
-        scores = scores.masked_fill(~mask.cpu(), -math.inf)
-    return torch.softmax(scores, dim=dim).nan_to_num(0.0) @ v  # [..., Tq, Dv]
+    """The reference at ``scale``; ``dim=-2``: its softmax over the queries instead (the keys' attention to
+    the queries, transposed back)."""
+    if dim == -1:
+        return reference.attention(q, k, v, mask, scale=scale)[0]  # [..., Tq, Dv]
+    m = None if mask is None else mask.transpose(-2, -1)
+    weights = reference.attention(k, q, q, m, scale=scale)[1].transpose(-2, -1)  # [..., Tq, Tk], columns sum to 1
+    return weights @ v.to("cpu", F64)  # [..., Tq, Dv]
+
+
+def transposed_reading(q, k, v, mask):
+    """(description, float64 output) of a [B, S, H, D] kernel that attends over the heads instead of the
+    sequence (it reads [B, S, H, D] as [B, H, S, D]); None where those shapes cannot occur."""
+    h = Heads(q, k, v, mask)
+    if mask is not None or h.q.shape[-2] != h.k.shape[-2] or h.heads != h.kv_heads:
+        return None
+    out, _ = reference.attention(h.q.transpose(1, 2), h.k.transpose(1, 2), h.v.transpose(1, 2))  # [B, Sq, H, Dv]
+    return ("the kernel reads its [B, S, H, D] inputs as [B, H, S, D]: it attends over the heads instead of "
+            "the sequence (heads and sequence transposed)", h.restore(out.transpose(1, 2)))
+
+
+def explain(target, got, q, k, v, mask, allowed) -> str:
+    """The cause of ``got`` != the reference: the target convention's own misreadings first, then the
+    classic mistakes (:func:`diagnose_mismatch`), or ''."""
+    got64 = got.detach().cpu().double()
+    if getattr(target, "layout", "bhsd") == "bshd":
+        found = transposed_reading(q, k, v, mask)
+        if found and max_error(got64, found[1]) <= allowed:
+            return found[0]
+    return diagnose_mismatch(got64, q, k, v, mask, allowed)
 
 
 def mistakes(q, k, v, mask, *, all_rows=True):
