@@ -11,13 +11,10 @@ from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
-from attn_spec.diagnosis.mistakes_alibi import N_KV, N_Q, bias, form, read, readout_inputs
+from attn_spec.errors import Unsupported
+from attn_spec.diagnosis.mistakes_alibi import N_KV, N_Q, bias, form, read, slopes
 
 F64 = torch.float64
-
-
-def _slopes(heads: int) -> tuple:
-    return tuple(2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads))
 
 
 @prop("alibi-slopes", family="alibi",
@@ -41,9 +38,9 @@ def alibi_slopes(target, case):
     position signal; a wrong bias still trains and generates, only worse. Catches: the slopes ignored, the bias
     sign flipped (ALiBi's classic bug), the slopes given to the wrong heads, the distance aligned top-left.
     """
-    q0, _, _, slopes0 = readout_inputs(case.torch_dtype, case.device)
-    if target.lacks_option("alibi"):
-        target.attend(q0, q0, q0, None, alibi=slopes0)  # raises Unsupported with the target's reason
+    why = target.lacks_option("alibi")
+    if why:
+        raise Unsupported(why, total=True)
     reading = read(target, case.torch_dtype, case.device)
     found = form(reading)
     if found is None:
@@ -60,13 +57,13 @@ def alibi_slopes(target, case):
     q, k, v, _ = case.tensors()
     while q.dim() < 4:  # heads on dim -3: one slope per head
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    given = torch.tensor(_slopes(q.shape[-3]), dtype=torch.float32, device=q.device)  # float32, as flash-attn takes
-    slopes = tuple(given.tolist())  # the float32 values the target got: the reference uses exactly those
+    given = torch.tensor(slopes(q.shape[-3]), dtype=torch.float32, device=q.device)  # float32, as flash-attn takes
+    exact = tuple(given.tolist())  # the float32 values the target got: the reference uses exactly those
     got = target.attend(q, k, v, None, alibi=given)
-    added = bias(slopes, case.n_q, case.n_kv, found)  # [H, Tq, Tk] float64, as an additive mask
+    added = bias(exact, case.n_q, case.n_kv, found)  # [H, Tq, Tk] float64, as an additive mask
     expected, _ = reference.attention(q, k, v, added)
     assert_close(got, expected, budget=budget(q, k, v, added.to(q.device, q.dtype), expected),
-                 what=f"the output with alibi_slopes {[round(s, 3) for s in slopes]} against the float64 reference "
+                 what=f"the output with alibi_slopes {[round(s, 3) for s in exact]} against the float64 reference "
                       f"with the {found} bias", call="attention(Q, K, V, alibi_slopes=s)",
                  cause="the bias is right alone (q = 0) but not added to the scaled scores before the softmax (scaled "
                        "by 1/sqrt(d_k) with them, or added after the softmax?)")

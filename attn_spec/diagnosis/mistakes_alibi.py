@@ -16,7 +16,14 @@ from attn_spec.diagnosis.model import mistake
 
 F64 = torch.float64
 H, N_Q, N_KV = 4, 5, 7  # heads, queries and keys of the readout: n_q != n_kv shows the alignment
-SLOPES = tuple(2.0 ** (-8.0 * (h + 1) / H) for h in range(H))  # the ALiBi paper's geometric slopes (exact in float32)
+
+
+def slopes(heads: int) -> tuple:
+    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / heads), one per head."""
+    return tuple(2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads))
+
+
+SLOPES = slopes(H)  # the readout's (exact in float32)
 
 
 def distance(n_q: int, n_kv: int, offset: int | None = None) -> torch.Tensor:
