@@ -229,6 +229,21 @@ def test_markdown_report(capsys):
     assert "### ✗ scale-sqrt-dk" in out and "```python\n" in out and "attn_spec.reproduce(" in out
 
 
+def test_the_headers_reasons_are_printed_whole(capsys):
+    """A capability's reason is a sentence: printed whole (issue 23.4), never cut with an ellipsis."""
+    code, out, _ = cli(capsys, f"{BUGGY}:attention", *QUICK, "--only", "scale-sqrt-dk")
+    line = next(x for x in out.splitlines() if x.startswith("capabilities: "))
+    assert "gqa (no: attention(Q, K, V) raised RuntimeError: The size of tensor a (4) must match the size of tensor b " \
+           "(2) at non-singleton dimension 0)" in line and "…" not in line
+
+
+def test_list_conventions_says_that_a_serving_kernel_takes_no_mask(capsys):
+    assert main(["list", "--conventions", "--format", "markdown"]) == 0
+    rows = {row.split("|")[1].strip(): row for row in capsys.readouterr().out.splitlines() if row.startswith("| ")}
+    assert all("no mask argument" in rows[name] for name in ("decode", "merge", "varlen"))
+    assert "masks bool (declarable)" in rows["function"] and not any("masks ," in row for row in rows.values())
+
+
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_output_file_gets_the_report_and_stdout_stays_empty(fmt, tmp_path, capsys):
     path = tmp_path / "report.out"

@@ -66,7 +66,8 @@ def _conventions(markdown: bool, tabulate) -> int:
     for name in conventions():
         t = traits(name)
         declared = ", ".join(filter(None, ["trained" if t.trained else "backward optional", "multi-head" if t.multihead else "",
-                                           "masks " + "+".join(t.masks) + (" (declarable)" if t.declarable_masks else ""),
+                                           ("masks " + "+".join(t.masks) + (" (declarable)" if t.declarable_masks else ""))
+                                           if t.masks else "no mask argument",  # a serving kernel: causal= at most
                                            *(["options " + "+".join(t.options)] if t.options else []),
                                            *([f"dtypes {'+'.join(t.dtypes)}"] if t.dtypes else []),
                                            f"layout {t.layout}"]))

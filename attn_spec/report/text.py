@@ -82,8 +82,13 @@ TEXT, MARKDOWN = Writer(), MarkdownWriter()
 WRITERS = {"text": TEXT, "markdown": MARKDOWN}
 
 
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
 def _short(text: str, limit: int = 100) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
+    """A quoted line of the target's own output, cut at ``limit`` (-v shows it all)."""
+    line = _first_line(text)
     return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
@@ -98,7 +103,7 @@ def header_lines(t: TargetReport) -> list[str]:
         has = [f"max length {value}" if name == "length" else name if value == "yes" else f"{name} ({value})"
                for name, value in t.capabilities.items() if value not in ("no", "raises", "error", "n/a", "unchecked")
                and not (name == "length" and value == "yes")]  # no limit up to the probe's ceiling: not news
-        lacks = [f"{name} ({value}: {_short(t.lacks[name])})" for name, value in t.capabilities.items()
+        lacks = [f"{name} ({value}: {_first_line(t.lacks[name])})" for name, value in t.capabilities.items()  # uncut
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))
     traits = vocabulary.traits(t.convention)
