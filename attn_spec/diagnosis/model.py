@@ -12,6 +12,8 @@ actually called with. Its function is the wrong code itself, written plainly:
   readings of the same input (randomness cannot be replayed, only recognised).
 - ``level="dropout"``, ``level="alibi"``: ``fn(reading) -> params or None`` judges a readout of the dropped
   weights or of the ALiBi bias (attn_spec.diagnosis.mistakes_dropout, mistakes_alibi).
+- ``level="decode"``, ``"merge"``, ``"varlen"``: ``fn(call) -> {name: tensor}``, a serving kernel of that
+  convention on one recorded call (attn_spec.diagnosis.serving; ``paged``: a model of paged caches itself).
 
 By default a model gets float64 copies of the inputs (its own rounding is then negligible);
 ``exact=True`` gives it the inputs in their own dtype, for mistakes whose rounding, overflow or
@@ -30,7 +32,8 @@ import torch
 
 F64 = torch.float64
 NEG_INF = float("-inf")
-LEVELS = ("attend", "module", "backward", "stochastic", "dropout", "alibi")
+SERVING = ("decode", "merge", "varlen")  # levels of serving kernels: replayed on their own calls (diagnosis.serving)
+LEVELS = ("attend", "module", "backward", "stochastic", "dropout", "alibi", *SERVING)
 RECOGNISED = ("stochastic", "dropout", "alibi")  # levels whose randomness is recognised from readings, never replayed
 
 MISTAKES: dict[str, "Mistake"] = {}
@@ -55,11 +58,18 @@ class Mistake:
     stateful: bool = False  # receives ``state``, a dict kept across the calls of one replay
     options: bool = False  # receives ``window`` and ``softcap`` itself (otherwise the window is folded into the
     #                        mask and the cap applied by ``scores``, as the correct formula does)
+    cause: str = ""  # the words a single mismatch names it by (attn_spec.diagnosis.mismatch), if not the sentence
+    paged: bool = False  # a decode model of paged caches itself (serving levels only)
 
     @property
     def recognised(self) -> bool:
         """Recognised from readings of random outputs, not replayed on recorded calls."""
         return self.level in RECOGNISED
+
+    @property
+    def serving(self) -> bool:
+        """A serving kernel's model: replayed on the calls of its own convention, never on an attention's."""
+        return self.level in SERVING
 
     @property
     def code(self) -> str:
@@ -81,19 +91,23 @@ class Mistake:
     def fix_for(self, params: dict | None = None) -> str:
         return self.fix.format(**(self.typical if params is None else params))
 
+    def cause_for(self, **params) -> str:
+        """What one output this model reproduces says of the target: its ``cause``, or else its sentence."""
+        return (self.cause or self.sentence).format(**{**self.typical, **params})
 
-def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "attend", caught_by=(),
-            exact=False, precision=None, params=(), grouped=False, arguments=False, stateful=False, options=False):
-    """Register ``fn`` as the mistake ``id`` (stable, kebab-case: a public contract, like property ids)."""
+
+def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "attend", caught_by=(), params=(),
+            **flags):
+    """Register ``fn`` as the mistake ``id`` (stable, kebab-case: a public contract, like property ids); ``flags``:
+    the record's other fields (exact, precision, grouped, arguments, stateful, options, cause, paged)."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")  # sanity check
 
     def register(fn):
         if id in MISTAKES:
             raise ValueError(f"mistake id {id!r} is registered twice")  # sanity check
-        MISTAKES[id] = Mistake(id, fn, level, sentence, fix, family, tuple(caught_by), exact, precision,
-                               params if isinstance(params, dict) else tuple(params), grouped, arguments, stateful,
-                               options)
+        MISTAKES[id] = Mistake(id, fn, level, sentence, fix, family, tuple(caught_by),
+                               params=params if isinstance(params, dict) else tuple(params), **flags)
         return fn
 
     return register
