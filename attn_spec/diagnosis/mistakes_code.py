@@ -70,6 +70,7 @@ def view_on_strided_keys(q, k, v, mask, scale):
 
 
 @mistake("computes-in-float32", family="dtype", precision="float32", caught_by=("matches-reference",),
+         cause="float64 inputs computed at float32 precision: error {err:.1g}, budget {budget:.1g}",
          sentence="float64 inputs are computed at float32 precision (a cast, a float32 buffer, or a float32 softmax)",
          fix="compute in the inputs' dtype (or wider); if float32 is deliberate, declare it: --dtypes float32")
 def computes_in_float32(q, k, v, mask, scale):
@@ -136,6 +137,8 @@ def keys_transposed_in_place(q, k, v, mask, scale):
 
 
 @mistake("kv-buffer-truncated", family="long sequences", caught_by=("long-sequences",),
+         cause="the last {dropped} keys are ignored: the loop over key blocks of {block} drops the partial block at the "
+               "end (n_kv = {n_kv} is not a multiple of {block})",
          params=tuple({"slots": n} for n in (512, 256, 1024, 128, 2048, 4096, 64, 32, 16)),
          sentence="keys beyond the first {slots} are silently dropped: a fixed buffer of {slots} key slots, or a "
                   "loop over key blocks that skips the partial block at the end",

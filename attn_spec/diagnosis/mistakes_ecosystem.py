@@ -72,6 +72,8 @@ def _swap(t):
 
 
 @mistake("heads-sequence-transposed", family="layout", arguments=True, grouped=True,
+         cause="the kernel reads its [B, S, H, D] inputs as [B, H, S, D]: it attends over the heads instead of the "
+               "sequence (heads and sequence transposed)",
          caught_by=("matches-reference",),
          sentence="heads and sequence are transposed: a [B, S, H, D] kernel reads its inputs as [B, H, S, D] "
                   "and attends over the heads instead of the sequence",

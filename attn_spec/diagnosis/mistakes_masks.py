@@ -12,6 +12,7 @@ from attn_spec.diagnosis.model import NEG_INF, correct, masked, mistake, scale_o
 
 
 @mistake("mask-ignored", family="masking", caught_by=("causal-mask", "mask-semantics"),
+         cause="the mask is ignored",
          sentence="the mask is ignored: every query attends every key",
          fix="scores.masked_fill(~mask, float('-inf')) before the softmax")
 def mask_ignored(q, k, v, mask, scale):
@@ -19,6 +20,7 @@ def mask_ignored(q, k, v, mask, scale):
 
 
 @mistake("mask-inverted", family="masking", caught_by=("causal-mask", "mask-semantics"),
+         cause="the mask is applied with inverted polarity (True taken as 'ignore')",
          sentence="the mask is applied with inverted polarity: True is taken as 'ignore' (the kit's and "
                   "PyTorch's bool masks say True = may attend)",
          fix="scores.masked_fill(~mask, float('-inf')), not masked_fill(mask, ...)")

@@ -58,7 +58,8 @@ class Mistake:
     stateful: bool = False  # receives ``state``, a dict kept across the calls of one replay
     options: bool = False  # receives ``window`` and ``softcap`` itself (otherwise the window is folded into the
     #                        mask and the cap applied by ``scores``, as the correct formula does)
-    cause: str = ""  # the words a single mismatch names it by (attn_spec.diagnosis.mismatch), if not the sentence
+    cause: str = ""  # the words one mismatch names it by (attn_spec.diagnosis.mismatch: they may name the numbers it
+    #                  measured), where they are not the sentence
     paged: bool = False  # a decode model of paged caches itself (serving levels only)
 
     @property
