@@ -30,6 +30,9 @@ from typing import Callable
 
 import torch
 
+from attn_spec import reference
+from attn_spec.reference import masked  # noqa: F401 - a building block of the models: the reference's own
+
 F64 = torch.float64
 NEG_INF = float("-inf")
 SERVING = ("decode", "merge", "varlen")  # levels of serving kernels: replayed on their own calls (diagnosis.serving)
@@ -153,19 +156,14 @@ def capped(cap):
         _CAP.reset(token)
 
 
+def _reference(options: dict) -> dict:
+    """The reference's options for a model: the inputs' own dtype, the call's softcap (see capped), then ``options``."""
+    return {"softcap": _CAP.get(), "dtype": None, **options}
+
+
 def scores(q, k, scale=None):
-    s = q @ k.transpose(-2, -1) * scale_of(q, scale)  # [..., Tq, Tk]
-    cap = _CAP.get()
-    return s if cap is None else cap * torch.tanh(s / cap)
-
-
-def masked(s, mask, fill=NEG_INF):
-    """A bool mask fills the disallowed scores; a float mask is added as a bias."""
-    if mask is None:
-        return s
-    if mask.dtype == torch.bool:
-        return s.masked_fill(~mask, fill)
-    return s + mask
+    """scale * Q K^T [..., Tq, Tk] in the inputs' dtype, soft-capped as the call asks: the reference's scores."""
+    return reference.scores(q, k, scale=scale, **_reference({}))
 
 
 _PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("plain", default=False)
@@ -183,21 +181,23 @@ def plain_softmax():
 
 
 def softmax_keys(s):
-    """softmax over the keys; a row with no allowed key is left free and given zeros."""
+    """The reference's softmax over the keys; a row with no allowed key is left free and given zeros (or, within
+    plain_softmax, NaN)."""
     if _PLAIN.get():
         return torch.softmax(s, dim=-1)  # [..., Tq, Tk]: NaN where a row has no allowed key
-    empty = torch.isneginf(s).all(dim=-1, keepdim=True)  # [..., Tq, 1]
-    leave_free(empty.expand(s.shape))
-    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    leave_free(torch.isneginf(s).all(dim=-1, keepdim=True).expand(s.shape))  # [..., Tq, Tk]
+    return reference.softmax_keys(s)
 
 
-def weights(q, k, mask=None, scale=None):
-    return softmax_keys(masked(scores(q, k, scale), mask))  # [..., Tq, Tk]
+def weights(q, k, mask=None, scale=None, **options):
+    """The reference's weights [..., Tq, Tk], in the inputs' dtype (its ``options``: causal, window, softcap)."""
+    return softmax_keys(reference.scores(q, k, mask, scale=scale, **_reference(options)))
 
 
-def correct(q, k, v, mask=None, scale=None):
-    """softmax(scale Q K^T + mask) V: the formula every mistake departs from."""
-    return weights(q, k, mask, scale) @ v  # [..., Tq, Dv]
+def correct(q, k, v, mask=None, scale=None, **options):
+    """softmax(scale Q K^T + mask) V, the formula every mistake departs from: the reference's
+    (attn_spec.reference.attention, with its ``options``: causal, window, softcap, ...), in the inputs' dtype."""
+    return reference.attention(q, k, v, mask, scale=scale, softmax=softmax_keys, **_reference(options))[0]
 
 
 def split_heads(t, h):
