@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attn_spec.diagnosis.model import (NEG_INF, correct, leave_free, masked, mistake, scale_of, scores,
+from attn_spec.diagnosis.model import (correct, leave_free, masked, mistake, scale_of, scores,
                                        softmax_keys, weights)
 from attn_spec.targets.layouts import broadcast_shapes
 
@@ -265,8 +265,8 @@ def output_truncated_to_dk(q, k, v, mask, scale):
          fix="when no mask is given, apply none (or build it [n_q, n_kv])")
 def default_mask_square(q, k, v, mask, scale):
     if mask is None:
-        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)
-    return softmax_keys(scores(q, k, scale).masked_fill(~mask, NEG_INF)) @ v
+        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)  # [Tq, Tq]: raises against [Tq, Tk] scores
+    return correct(q, k, v, mask, scale)
 
 
 @mistake("returns-zeros", family="shapes", caught_by=("matches-reference",),
