@@ -36,6 +36,19 @@ def test_the_catalog_is_data_with_a_sentence_and_a_fix():
         assert set(m.caught_by) <= set(REGISTRY), m.id
 
 
+def test_serving_kernels_models_are_entries_of_the_one_catalog():
+    """One record type, one registry: a serving kernel's model is a Mistake of level decode, merge or varlen (paged
+    ones flagged), listed and explained with the rest, and never replayed on an attention's calls."""
+    from attn_spec.diagnosis.predict import predict
+    from attn_spec.targets.record import Call
+
+    serving = [m for m in MISTAKES.values() if m.serving]
+    assert {m.level for m in serving} == {"decode", "merge", "varlen"} and any(m.paged for m in serving)
+    assert all(m.family == "serving" for m in serving) and not any(m.paged for m in MISTAKES.values() if not m.serving)
+    q = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert all(predict(m, Call("attend", {"q": q, "k": q, "v": q, "mask": None})) is None for m in serving)
+
+
 def test_every_gallery_bug_declares_a_mistake_of_the_catalog():
     """Every buggy entry declares its mistake, or is listed in test_gallery's UNDIAGNOSED with a reason. A
     FlexAttention mod makes no attention calls to replay: its entry declares instead the words every

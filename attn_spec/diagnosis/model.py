@@ -118,6 +118,9 @@ def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "atte
 
 
 # ------------------------------------------------------------------ building blocks of the models
+# The formula is the reference's (attn_spec.reference: scores, masked, softmax_keys, attention), in the inputs' own
+# dtype; a model states its mistake as a change to its inputs or options, or writes its different formula with these
+# pieces. What a replay adds: the call's softcap (capped), free rows (collecting_free), plain_softmax.
 
 _FREE: contextvars.ContextVar[list | None] = contextvars.ContextVar("free", default=None)
 
