@@ -39,6 +39,11 @@ def mistake_sections(mistake_id: str) -> dict:
         recognise = ("The kit reads the bias out: with q = 0 every score is 0, so with V = I the output is "
                      f"softmax(bias), and log weights give the bias row by row; {m.id} names what it looks like. "
                      f"Shown at: {shown}.")
+    elif m.serving:
+        recognise = (f"Each failing property is replayed on its minimal case with every call into the {m.level} kernel "
+                     f"kept; {m.id} is named when it reproduces every kept call (outputs within a few units in the last "
+                     f"place, NaN where the kernel gave NaN, both caches afterwards) and the correct kernel does not. "
+                     f"Shown at: {shown}.")
     if isinstance(m.params, dict):
         recognise += " Its number is fitted to the failing call, then checked on every other call."
     elif m.params and not m.recognised:
@@ -192,7 +197,7 @@ def _doubled(call):
 
 def _mistake_example(m) -> str:
     """The model next to the correct formula on the first example that tells them apart."""
-    if m.recognised:
+    if m.recognised or m.serving:
         return ""
     call, lines, good, bad = example_call(m)
     lines = list(lines)

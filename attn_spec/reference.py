@@ -43,33 +43,52 @@ def fold_causal(mask, n_q: int, n_kv: int, window=None):
     return tril & mask if mask.dtype == torch.bool else mask.masked_fill(~tril, -math.inf)
 
 
+def masked(scores, mask, fill=-math.inf):
+    """``scores`` [..., Tq, Tk] with ``mask``: a bool mask sets the disallowed keys' scores to ``fill``, a float
+    mask is added (not scaled)."""
+    if mask is None:
+        return scores
+    mask = mask.detach().to(scores.device)
+    return scores.masked_fill(~mask, fill) if mask.dtype == torch.bool else scores + mask
+
+
+def softcapped(scores, cap):
+    """cap * tanh(scores / cap): every score in (-cap, cap); ``cap`` None leaves them as they are."""
+    return scores if cap is None else cap * torch.tanh(scores / cap)
+
+
+def scores(q, k, mask=None, *, causal=False, scale=None, causal_alignment="top-left", window=None, softcap=None,
+           dtype=F64):
+    """The scores the softmax takes, [..., Tq, Tk]: scale * Q K^T, soft-capped, then masked (and causal or
+    windowed), on the CPU in ``dtype`` (None: the inputs' own dtype, as a mistake model replayed exactly)."""
+    q, k = (t.cpu() if dtype is None else t.to("cpu", dtype) for t in (q, k))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = softcapped(scale * (q @ k.transpose(-2, -1)), softcap)  # [..., Tq, Dk] x [..., Dk, Tk] -> [..., Tq, Tk]
+    s = masked(s, mask)
+    if causal or window is not None:
+        s = masked(s, causal_mask(*s.shape[-2:], alignment=causal_alignment, window=window))
+    return s
+
+
+def softmax_keys(scores):
+    """softmax over the keys, [..., Tq, Tk]; a row with no allowed key gets all-zero weights (not softmax(-inf, ...,
+    -inf) = NaN: its gradient would be NaN too)."""
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., Tq, 1] rows with no key
+    return torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+
+
 def attention(q, k, v, mask=None, *, causal=False, scale=None, causal_alignment="top-left", window=None,
-              softcap=None):
+              softcap=None, dtype=F64, softmax=softmax_keys):
     """Scaled dot-product attention in float64 on the CPU; returns ``(out, weights)``.
 
     q [..., Tq, Dk], k [..., Tk, Dk], v [..., Tk, Dv]; mask bool or float, broadcastable
     to [..., Tq, Tk]. Leading dims broadcast like matmul. ``window``: w keys (implies causal);
-    ``softcap``: the cap of cap * tanh(scores / cap).
+    ``softcap``: the cap of cap * tanh(scores / cap). ``dtype`` None computes in the inputs' own dtype;
+    ``softmax`` maps the scores to the weights (a mistake model's hook: see attn_spec.diagnosis.model).
     """
-    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = scale * (q @ k.transpose(-2, -1))  # [..., Tq, Dk] x [..., Dk, Tk] -> [..., Tq, Tk]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)  # in (-cap, cap), before any mask
-    allowed = torch.ones_like(scores, dtype=torch.bool)  # [..., Tq, Tk]
-    if mask is not None:
-        mask = mask.detach().cpu()
-        if mask.dtype == torch.bool:
-            allowed = allowed & mask
-        else:
-            scores = scores + mask.to(F64)
-    if causal or window is not None:
-        allowed = allowed & causal_mask(*scores.shape[-2:], alignment=causal_alignment, window=window)
-    scores = scores.masked_fill(~allowed, -math.inf)
-    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., Tq, 1] rows with no key
-    scores = scores.masked_fill(empty, 0.0)  # not softmax(-inf, ..., -inf) = NaN: its gradient would be NaN too
-    weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)  # [..., Tq, Tk]
-    out = weights @ v  # [..., Tq, Tk] x [..., Tk, Dv] -> [..., Tq, Dv]
+    weights = softmax(scores(q, k, mask, causal=causal, scale=scale, causal_alignment=causal_alignment,
+                             window=window, softcap=softcap, dtype=dtype))  # [..., Tq, Tk]
+    out = weights @ (v.cpu() if dtype is None else v.to("cpu", dtype))  # [..., Tq, Tk] x [..., Tk, Dv] -> [..., Tq, Dv]
     return out, weights
 
 

@@ -18,7 +18,7 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.diagnosis.mistakes_dropout import N, Z, inputs, judge, seeded
+from attn_spec.diagnosis.mistakes_dropout import N, Z, dropped, inputs, judge, seeded
 from attn_spec.targets.capabilities import supports
 
 F64 = torch.float64
@@ -35,25 +35,13 @@ def _require_dropout(target, case) -> None:
         raise Unsupported(found.why.get("dropout", f"{target.name} takes no dropout argument"), total=True)
 
 
-def readout(target, case, causal: bool):
-    """(dropped weights [B, H, N, 2N] in float64, allowed [N, N], p, inputs, how causality was asked) with
-    q = k = 0, so every allowed key has weight 1/n_i, and V = [I | I], so output columns j and N + j both read
-    weight j. Causal through a mask, or is_causal for a kernel that takes no mask; None if it takes neither."""
-    p = _rate(case)
-    q, k, v = inputs(case.torch_dtype, case.device)
-    allowed = reference.causal_mask(N, N) if causal else torch.ones(N, N, dtype=torch.bool)  # [N, N]
-    how, mask, flag = "", None, {}
-    if causal and "causal" in supports(target, device=case.device).masks:
-        how, mask = "causal mask, ", allowed.to(case.device)
-    elif causal:
-        how, flag = "is_causal=True, ", {"is_causal": True}
-    try:
-        out = seeded(target, case.seed, q, k, v, mask, dropout=p, **flag)  # [B, H, N, 2N]
-    except Unsupported:
-        if not flag:
-            raise
-        return None  # neither a mask nor is_causal
-    return out.detach().to("cpu", F64), allowed, p, (q, k, v), how
+def readout(target, case, causal: bool, seed=None):
+    """(dropped weights [B, H, N, 2N] in float64, how causality was asked) with q = k = 0, so every allowed key has
+    weight 1/n_i, and V = [I | I], so output columns j and N + j both read weight j: the case's dtype, device, rate
+    and seed (or ``seed``), read as the diagnosis reads it (mistakes_dropout.dropped); None for a causal readout of
+    a kernel that takes neither a mask nor is_causal."""
+    return dropped(target, _rate(case), case.seed if seed is None else seed, causal=causal, dtype=case.torch_dtype,
+                   device=case.device)
 
 
 def _named(target) -> str:
@@ -91,8 +79,11 @@ def dropout_mask(target, case):
         read = readout(target, case, causal)
         if read is None:  # neither a mask nor is_causal: the unmasked readout is all there is
             continue
-        got, allowed, p, given, how = read  # [B, H, N, 2N], [N, N]
-        call = f"{target.name}(q=0, k=0, V=[I | I], {how}dropout_p={p}) after torch.manual_seed({case.seed})"
+        got, how = read  # [B, H, N, 2N]
+        p, given = _rate(case), inputs(case.torch_dtype, case.device)
+        allowed = reference.causal_mask(N, N) if causal else torch.ones(N, N, dtype=torch.bool)  # [N, N]
+        call = f"{target.name}(q=0, k=0, V=[I | I], {how + ', ' if how else ''}dropout_p={p}) after " \
+               f"torch.manual_seed({case.seed})"
         shown = {"labels": (f"weights [0, 0, :4, :6] read out of the call (row i, key j)", ""),
                  "summary": f"the readout: q = k = 0 {list(given[0].shape)}, V = [I | I] {list(given[2].shape)}, "
                             f"{case.dtype}, {case.device}"}
@@ -100,7 +91,7 @@ def dropout_mask(target, case):
         if not torch.isfinite(got).all():
             fail("non-finite weights", what="the dropped weights", expected="finite", call=call, got=got[0, 0, :4, :8],
                  **shown)
-        if not causal and torch.equal(got, seeded(target, case.seed + 1, *given, mask=None, dropout=p).to("cpu", F64)):
+        if not causal and torch.equal(got, readout(target, case, causal, seed=case.seed + 1)[0]):
             fail("the same weights", what=f"the readout after torch.manual_seed({case.seed}) and ({case.seed + 1})",
                  expected="different dropout masks", call=call, got=first[0, 0, :4, :6], **shown,
                  cause=lambda: _named(target))

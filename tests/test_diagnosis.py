@@ -36,6 +36,19 @@ def test_the_catalog_is_data_with_a_sentence_and_a_fix():
         assert set(m.caught_by) <= set(REGISTRY), m.id
 
 
+def test_serving_kernels_models_are_entries_of_the_one_catalog():
+    """One record type, one registry: a serving kernel's model is a Mistake of level decode, merge or varlen (paged
+    ones flagged), listed and explained with the rest, and never replayed on an attention's calls."""
+    from attn_spec.diagnosis.predict import predict
+    from attn_spec.targets.record import Call
+
+    serving = [m for m in MISTAKES.values() if m.serving]
+    assert {m.level for m in serving} == {"decode", "merge", "varlen"} and any(m.paged for m in serving)
+    assert all(m.family == "serving" for m in serving) and not any(m.paged for m in MISTAKES.values() if not m.serving)
+    q = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert all(predict(m, Call("attend", {"q": q, "k": q, "v": q, "mask": None})) is None for m in serving)
+
+
 def test_every_gallery_bug_declares_a_mistake_of_the_catalog():
     """Every buggy entry declares its mistake, or is listed in test_gallery's UNDIAGNOSED with a reason. A
     FlexAttention mod makes no attention calls to replay: its entry declares instead the words every
@@ -45,9 +58,7 @@ def test_every_gallery_bug_declares_a_mistake_of_the_catalog():
     declared = {e.name: e.mistake for e in BUGGY if e.convention not in MOD_CONVENTIONS}
     assert all(m or name in UNDIAGNOSED for name, m in declared.items()), \
         [name for name, m in declared.items() if not m and name not in UNDIAGNOSED]
-    from attn_spec.diagnosis.serving import SERVING_MISTAKES
-
-    assert set(filter(None, declared.values())) <= set(MISTAKES) | set(SERVING_MISTAKES)  # serving kernels: their own
+    assert set(filter(None, declared.values())) <= set(MISTAKES)  # serving kernels' models included
     mods = [e for e in BUGGY if e.convention in MOD_CONVENTIONS]
     assert mods and all(e.diagnosis and not e.mistake for e in mods), [e.name for e in mods]
     assert not [e.name for e in BUGGY if e.diagnosis and e.convention not in MOD_CONVENTIONS]
@@ -247,7 +258,7 @@ def test_randomness_is_recognised_from_repeated_readings():
     assert judge_randomness(make_target(correct_einsum, "c", "function"), list(MISTAKES.values())) is None
 
 
-@pytest.mark.parametrize("mid", [m for m in MISTAKES if not MISTAKES[m].recognised])
+@pytest.mark.parametrize("mid", [m for m in MISTAKES if not (MISTAKES[m].recognised or MISTAKES[m].serving)])
 def test_a_worked_example_differs_from_the_correct_output(mid):
     """Every model's worked example shows an output (or an input written into) that differs from the correct
     formula's: scale-d-v needs d_v != d_k, exp-without-max large float32 scores, is-causal-ignored a call with

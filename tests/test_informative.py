@@ -169,6 +169,22 @@ def test_the_cause_names_a_classic_mistake(wrong, masked, words):
     assert words in diagnose_mismatch(wrong(q, k, v, mask), q, k, v, mask, 1e-9)
 
 
+def test_a_mismatch_is_worded_by_the_catalog_model_that_reproduces_it():
+    """mismatch asks the catalog: its causes are the models' own words (Mistake.cause_for), written nowhere else."""
+    from pathlib import Path
+
+    from attn_spec.diagnosis import MISTAKES
+    from attn_spec.diagnosis import mismatch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    for mid, scale in (("scale-missing", 1.0), ("scale-one-over-dk", 1 / 4), ("scale-temperature", 1 / 8)):
+        got = reference.attention(q, k, v, scale=scale)[0]
+        assert diagnose_mismatch(got, q, k, v, None, 1e-9) == MISTAKES[mid].cause_for(temperature=4)
+    source = Path(mismatch.__file__).read_text()
+    assert not [m.id for m in MISTAKES.values() if (m.cause or m.sentence)[:24] in source]
+
+
 def test_the_cause_names_a_bshd_kernel_that_attends_over_the_heads():
     def kernel(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):  # [B, S, H, D], read as [B, H, S, D]
         return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, is_causal=causal)

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_spec.exact import exact_attention
-from attn_spec.reference import MultiHeadAttention, attention, multihead, reference_attention
+from attn_spec.reference import MultiHeadAttention, attention, causal_mask, multihead, reference_attention
+from attn_spec.reference import scores as reference_scores
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
@@ -220,6 +221,18 @@ def test_reference_attention_keeps_dtype_and_device():
         got = reference_attention(x.q.to(dtype), x.k.to(dtype), x.v.to(dtype), mask)
         assert got.dtype == dtype and got.device == x.q.device
         assert torch.equal(got, attention(x.q.to(dtype), x.k.to(dtype), x.v.to(dtype), mask)[0].to(dtype))
+
+
+def test_reference_in_the_inputs_dtype_and_with_a_softmax_hook():
+    """dtype=None computes in the inputs' own dtype (a mistake model replayed exactly), the same formula rounded
+    there; ``softmax`` swaps the map from scores to weights (a mistake model's hook), the rest unchanged."""
+    x = Inputs.build(seed=3, n_q=3, n_kv=4)
+    q, k, v = (t.float() for t in (x.q, x.k, x.v))
+    out, w = attention(q, k, v, causal_mask(3, 4), dtype=None)
+    assert out.dtype == w.dtype == torch.float32
+    assert (out.double() - attention(x.q, x.k, x.v, causal_mask(3, 4))[0]).abs().max() < 1e-6
+    hooked, w = attention(x.q, x.k, x.v, softmax=torch.sigmoid)
+    assert torch.equal(w, torch.sigmoid(reference_scores(x.q, x.k))) and torch.equal(hooked, w @ x.v.double())
 
 
 # -- multi-head: the function and the module against a per-head loop --------------------------------

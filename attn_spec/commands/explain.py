@@ -33,11 +33,6 @@ def run(args) -> int:
     if args.id in MISTAKES:
         sys.stdout.write(render_mistake(args.id, args.format))
         return EXIT_OK
-    from attn_spec.diagnosis.serving import SERVING_MISTAKES, lesson
-
-    if args.id in SERVING_MISTAKES:
-        sys.stdout.write(lesson(args.id))
-        return EXIT_OK
     if args.id not in REGISTRY:
         hint = did_you_mean(args.id, [*REGISTRY, *MISTAKES])
         return usage_error(args, f"unknown property id {args.id!r}{hint} (nor a mistake id: attn-spec list --mistakes "

@@ -40,17 +40,14 @@ def run(args) -> int:
 
 def _mistakes(markdown: bool, tabulate) -> int:
     from attn_spec.diagnosis import MISTAKES
-    from attn_spec.diagnosis.serving import SERVING_MISTAKES
 
     rows = [[m.id, m.family, m.describe() if markdown else textwrap.fill(m.describe(), 64),
              ", ".join(m.caught_by) if markdown else textwrap.fill(", ".join(m.caught_by), 24)]
             for m in MISTAKES.values()]
-    rows += [[m.id, "serving", m.sentence if markdown else textwrap.fill(m.sentence, 64),
-              ", ".join(m.caught_by) if markdown else textwrap.fill(", ".join(m.caught_by), 24)]
-             for m in SERVING_MISTAKES.values()]
     print(tabulate(rows, headers=["id", "family", "what the wrong code does", "shown at"],
                    tablefmt="github" if markdown else "simple_grid"))
-    print(f"\n{len(MISTAKES)} mistake models of attention and {len(SERVING_MISTAKES)} of serving kernels · "
+    serving = sum(m.serving for m in MISTAKES.values())
+    print(f"\n{len(MISTAKES)} mistake models ({len(MISTAKES) - serving} of attention, {serving} of serving kernels) · "
           f"attn-spec explain ID for one of them")
     return EXIT_OK
 

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attn_spec.diagnosis.model import (NEG_INF, correct, leave_free, masked, mistake, scale_of, scores,
+from attn_spec.diagnosis.model import (correct, leave_free, masked, mistake, scale_of, scores,
                                        softmax_keys, weights)
 from attn_spec.targets.layouts import broadcast_shapes
 
@@ -24,6 +24,7 @@ def _scaled(q, scale, default):
 
 
 @mistake("scale-missing", family="scale", caught_by=("scale-sqrt-dk",),
+         cause="scores are not scaled (missing 1/sqrt(d_k))",
          sentence="the scores are not scaled: softmax(Q Kᵀ) instead of softmax(Q Kᵀ / sqrt(d_k))",
          fix="divide the scores by math.sqrt(d_k)")
 def scale_missing(q, k, v, mask, scale):
@@ -31,6 +32,7 @@ def scale_missing(q, k, v, mask, scale):
 
 
 @mistake("scale-one-over-dk", family="scale", caught_by=("scale-sqrt-dk",),
+         cause="scores are scaled by 1/d_k instead of 1/sqrt(d_k)",
          sentence="scores are scaled by 1/d_k instead of 1/sqrt(d_k): divided by d_k, or 1/sqrt(d_k) applied twice",
          fix="scale by 1 / math.sqrt(d_k), once")
 def scale_one_over_dk(q, k, v, mask, scale):
@@ -46,6 +48,7 @@ def scale_one_over_two_dk(q, k, v, mask, scale):
 
 
 @mistake("scale-multiplied", family="scale", caught_by=("scale-sqrt-dk",),
+         cause="scores are multiplied by sqrt(d_k) instead of divided",
          sentence="scores are scaled by sqrt(d_k) instead of 1/sqrt(d_k): multiplied instead of divided",
          fix="divide the scores by math.sqrt(d_k)")
 def scale_multiplied(q, k, v, mask, scale):
@@ -62,6 +65,7 @@ def scale_hard_coded(q, k, v, mask, scale, width):
 
 
 @mistake("scale-d-v", family="scale", caught_by=("scale-sqrt-dk",),
+         cause="the scale uses d_v instead of d_k",
          sentence="scores are scaled by 1/sqrt(d_v) instead of 1/sqrt(d_k): the width of V is used",
          fix="scale by 1 / math.sqrt(Q.size(-1)), the width of Q and K")
 def scale_d_v(q, k, v, mask, scale):
@@ -85,6 +89,7 @@ ABSOLUTE_AXIS = ("the absolute dim 2 (softmax(dim=2): the keys of 3-D scores [B,
 
 
 @mistake("softmax-over-queries", family="softmax", caught_by=("rows-sum-to-one",),
+         cause="the softmax runs over the query axis (dim=-2) instead of the keys",
          sentence="the softmax runs over {over}, not over the keys",
          fix="softmax(scores, dim=-1): each query's weights are a distribution over the keys",
          params=({"dim": -2, "over": QUERY_AXIS}, {"dim": 2, "over": ABSOLUTE_AXIS}))
@@ -260,11 +265,12 @@ def output_truncated_to_dk(q, k, v, mask, scale):
          fix="when no mask is given, apply none (or build it [n_q, n_kv])")
 def default_mask_square(q, k, v, mask, scale):
     if mask is None:
-        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)
-    return softmax_keys(scores(q, k, scale).masked_fill(~mask, NEG_INF)) @ v
+        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)  # [Tq, Tq]: raises against [Tq, Tk] scores
+    return correct(q, k, v, mask, scale)
 
 
 @mistake("returns-zeros", family="shapes", caught_by=("matches-reference",),
+         cause="the output is all zeros: no attention is computed",
          sentence="the output is all zeros: nothing is computed",
          fix="return softmax(Q Kᵀ / sqrt(d_k)) V")
 def returns_zeros(q, k, v, mask, scale):
@@ -272,6 +278,7 @@ def returns_zeros(q, k, v, mask, scale):
 
 
 @mistake("returns-values", family="shapes", caught_by=("matches-reference",),
+         cause="the output is V itself: the values are returned without attention over the keys",
          sentence="the output is V itself: no attention is computed",
          fix="return softmax(Q Kᵀ / sqrt(d_k)) V")
 def returns_values(q, k, v, mask, scale):
@@ -279,6 +286,8 @@ def returns_values(q, k, v, mask, scale):
 
 
 @mistake("uniform-weights", family="shapes", caught_by=("matches-reference",),
+         cause="the output is the mean of V over the keys: the weights are uniform, Q, K and the mask are ignored "
+               "(scores multiplied by 0?)",
          sentence="every allowed key gets the same weight (the mean of V): the scores are never used",
          fix="weights = softmax(Q Kᵀ / sqrt(d_k)) over the allowed keys")
 def uniform_weights(q, k, v, mask, scale):

@@ -70,6 +70,7 @@ def view_on_strided_keys(q, k, v, mask, scale):
 
 
 @mistake("computes-in-float32", family="dtype", precision="float32", caught_by=("matches-reference",),
+         cause="float64 inputs computed at float32 precision: error {err:.1g}, budget {budget:.1g}",
          sentence="float64 inputs are computed at float32 precision (a cast, a float32 buffer, or a float32 softmax)",
          fix="compute in the inputs' dtype (or wider); if float32 is deliberate, declare it: --dtypes float32")
 def computes_in_float32(q, k, v, mask, scale):
@@ -110,7 +111,7 @@ def float64_not_cast_back(q, k, v, mask, scale):
          fix="Q * scale (out of place)")
 def queries_scaled_in_place(q, k, v, mask, scale):
     q.mul_(scale_of(q, scale))
-    return softmax_keys(masked(q @ k.transpose(-2, -1), mask)) @ v
+    return correct(q, k, v, mask, 1.0)
 
 
 @mistake("mask-inverted-in-place", family="in place", exact=True, caught_by=("inputs-unchanged",),
@@ -136,6 +137,8 @@ def keys_transposed_in_place(q, k, v, mask, scale):
 
 
 @mistake("kv-buffer-truncated", family="long sequences", caught_by=("long-sequences",),
+         cause="the last {dropped} keys are ignored: the loop over key blocks of {block} drops the partial block at the "
+               "end (n_kv = {n_kv} is not a multiple of {block})",
          params=tuple({"slots": n} for n in (512, 256, 1024, 128, 2048, 4096, 64, 32, 16)),
          sentence="keys beyond the first {slots} are silently dropped: a fixed buffer of {slots} key slots, or a "
                   "loop over key blocks that skips the partial block at the end",
@@ -159,7 +162,7 @@ def kv_buffer_overflow(q, k, v, mask, scale, slots):
          sentence="only the first {dims} dims of Q and K enter the scores (a kernel tile limit)",
          fix="loop over every tile of the head dim, or reject d_k > {dims} with NotImplementedError")
 def head_dim_tile(q, k, v, mask, scale, dims):
-    return softmax_keys(masked(scores(q[..., :dims], k[..., :dims], scale_of(q, scale)), mask)) @ v
+    return correct(q[..., :dims], k[..., :dims], v, mask, scale_of(q, scale))  # scaled for the whole d_k
 
 
 # ---------------------------------------------------------------- grouped-query attention
@@ -192,18 +195,11 @@ def gqa_first_kv_head(q, k, v, mask, scale):
 # ---------------------------------------------------------------- the sdpa keyword arguments
 
 
-def _causal(mask, is_causal, n_q, n_kv, diagonal=0):
-    if not is_causal:
-        return mask
-    tril = torch.ones(n_q, n_kv, dtype=torch.bool).tril(diagonal)  # [Tq, Tk]
-    return tril if mask is None else (tril & mask if mask.dtype == torch.bool else mask.masked_fill(~tril, NEG_INF))
-
-
 @mistake("scale-argument-ignored", family="arguments", arguments=True, caught_by=("scale-argument",),
          sentence="the scale argument is ignored: the default 1/sqrt(d_k) is always used",
          fix="use scale when it is not None: scores * (scale if scale is not None else 1 / math.sqrt(d_k))")
 def scale_argument_ignored(q, k, v, mask, scale, is_causal):
-    return correct(q, k, v, _causal(mask, is_causal, q.shape[-2], k.shape[-2]), None)
+    return correct(q, k, v, mask, None, causal=is_causal)
 
 
 @mistake("scale-argument-sqrt-split", family="arguments", arguments=True, caught_by=("scale-argument",),
@@ -211,7 +207,7 @@ def scale_argument_ignored(q, k, v, mask, scale, is_causal):
          fix="multiply the scores (or Q alone) by scale")
 def scale_argument_sqrt_split(q, k, v, mask, scale, is_causal):
     s = math.sqrt(scale_of(q, scale))  # raises ValueError for scale < 0
-    return correct(q * s, k * s, v, _causal(mask, is_causal, q.shape[-2], k.shape[-2]), 1.0)
+    return correct(q * s, k * s, v, mask, 1.0, causal=is_causal)
 
 
 @mistake("is-causal-ignored", family="arguments", arguments=True, caught_by=("is-causal",),

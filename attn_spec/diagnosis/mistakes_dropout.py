@@ -61,18 +61,34 @@ def seeded(target, seed: int, *args, **kwargs):
         return target.attend(*args, **kwargs)
 
 
-def read(target, p: float, seed: int, dtype=torch.float32, device="cpu", causal_how=None) -> Reading:
-    """The readout of ``target`` at dropout ``p``; ``causal_how``: "mask", "is_causal" or None (not read)."""
-    q, k, v = inputs(dtype, device)
+def dropped(target, p: float, seed: int, *, causal=False, dtype=torch.float32, device="cpu"):
+    """(the dropped weights [B, H, N, 2N] in float64, how causality was asked: "", "causal mask" or
+    "is_causal=True") of one readout call at dropout ``p`` after ``torch.manual_seed(seed)``. Causal through a
+    mask where the target takes a causal one, else is_causal; None for a kernel that takes neither."""
+    from attn_spec.errors import Unsupported
+    from attn_spec.targets.capabilities import supports
 
-    def once(s, **kwargs):
-        return seeded(target, s, q, k, v, dropout=p, **kwargs).detach().to("cpu", F64)
-    causal = None
-    if causal_how == "mask":
-        causal = once(seed, mask=reference.causal_mask(N, N, device=device))
-    elif causal_how == "is_causal":
-        causal = once(seed, is_causal=True)
-    return Reading(p, once(seed), once(seed), once(seed + 1), causal)
+    how, asked = "", {}
+    if causal and "causal" in supports(target, device=device).masks:
+        how, asked = "causal mask", {"mask": reference.causal_mask(N, N, device=device)}
+    elif causal:
+        how, asked = "is_causal=True", {"is_causal": True}
+    try:
+        out = seeded(target, seed, *inputs(dtype, device), dropout=p, **asked)  # [B, H, N, 2N]
+    except Unsupported:
+        if "is_causal" not in asked:
+            raise
+        return None  # neither a mask nor is_causal
+    return out.detach().to("cpu", F64), how
+
+
+def read(target, p: float, seed: int, dtype=torch.float32, device="cpu", causal=False) -> Reading:
+    """The readout of ``target`` at dropout ``p``, under causality too (``causal``: see :func:`dropped`)."""
+    def once(s, causal=False):
+        got = dropped(target, p, s, causal=causal, dtype=dtype, device=device)
+        return None if got is None else got[0]
+    under = once(seed, causal=True) if causal else None
+    return Reading(p, once(seed), once(seed), once(seed + 1), under)
 
 
 def _near(values: torch.Tensor, target: float) -> bool:
@@ -159,12 +175,10 @@ def dropout_keep_fraction(r: Reading):
 def judge(target, mistakes) -> tuple[tuple | None, str]:
     """((mistake, params) of the first model that recognises ``target``'s readout, or None; the numbers read)."""
     from attn_spec.errors import Failure, TargetRaised, Unsupported
-    from attn_spec.targets.capabilities import supports
 
-    how = "mask" if "causal" in supports(target).masks else "is_causal"
     try:
         try:
-            reading = read(target, 0.1, seed=0, causal_how=how)
+            reading = read(target, 0.1, seed=0, causal=True)
         except Unsupported:
             reading = read(target, 0.1, seed=0)
     except (Failure, TargetRaised, Unsupported) as exc:

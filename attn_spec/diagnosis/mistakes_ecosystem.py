@@ -3,28 +3,21 @@ applied after the mask or without its factor, a [B, S, H, D] kernel that reads h
 grouped K/V heads that are never repeated (an HF function ignoring ``module.num_key_value_groups``).
 
 The window and softcap models take ``window`` and ``softcap`` themselves (``options=True``): the others get
-the window folded into their mask and the cap applied by ``scores``, as the correct formula does.
+the window folded into their mask and the cap applied by ``scores``, as the correct formula does (so here
+``scores`` is not capped: the model caps, or miscaps, itself).
 Each function is the wrong code, written plainly (see :mod:`attn_spec.diagnosis.model`).
 """
 from __future__ import annotations
 
 import torch
 
-from attn_spec.diagnosis.model import correct, masked, mistake, scale_of, softmax_keys
-from attn_spec.diagnosis.predict import fold_causal
+from attn_spec.diagnosis.model import correct, masked, mistake, scale_of, scores, softmax_keys
+from attn_spec.reference import fold_causal, softcapped
 
 
 def _windowed(mask, n_q, n_kv, window):
     """The caller's mask with a causal window of ``window`` keys folded in (top-left, as predict folds it)."""
     return mask if window is None else fold_causal(mask, n_q, n_kv, max(window, 1))
-
-
-def _raw_scores(q, k, scale):
-    return q @ k.transpose(-2, -1) * scale_of(q, scale)  # [..., Tq, Tk], not capped
-
-
-def _cap(s, softcap):
-    return s if softcap is None else softcap * torch.tanh(s / softcap)
 
 
 # ---------------------------------------------------------------- sliding window
@@ -36,9 +29,8 @@ def _cap(s, softcap):
                   "(j >= i - w where j > i - w was meant, or the reverse)",
          fix="keep the keys i - w < j <= i: (kv_idx <= q_idx) & (q_idx - kv_idx < w)")
 def window_off_by_one(q, k, v, mask, scale, window, softcap, off):
-    s = _cap(_raw_scores(q, k, scale), softcap)
-    width = None if window is None else window + off
-    return softmax_keys(masked(s, _windowed(mask, q.shape[-2], k.shape[-2], width))) @ v
+    width = None if window is None else max(window + off, 1)
+    return correct(q, k, v, mask, scale, window=width, softcap=softcap)
 
 
 # ---------------------------------------------------------------- softcap
@@ -49,15 +41,15 @@ def window_off_by_one(q, k, v, mask, scale, window, softcap, off):
                   "so masked keys keep a weight of exp(-cap - max)",
          fix="cap the scores first, then mask: cap * tanh(scores / cap), and only then add the mask")
 def softcap_after_mask(q, k, v, mask, scale, window, softcap):
-    s = masked(_raw_scores(q, k, scale), _windowed(mask, q.shape[-2], k.shape[-2], window))  # [..., Tq, Tk]
-    return torch.softmax(_cap(s, softcap), dim=-1) @ v
+    s = masked(scores(q, k, scale), _windowed(mask, q.shape[-2], k.shape[-2], window))  # [..., Tq, Tk]
+    return torch.softmax(softcapped(s, softcap), dim=-1) @ v
 
 
 @mistake("softcap-without-factor", family="softcap", options=True, caught_by=("softcap",),
          sentence="the softcap lacks its factor: tanh(scores / cap), every score squeezed into (-1, 1)",
          fix="cap * tanh(scores / cap)")
 def softcap_without_factor(q, k, v, mask, scale, window, softcap):
-    s = _raw_scores(q, k, scale)
+    s = scores(q, k, scale)
     if softcap is not None:
         s = torch.tanh(s / softcap)
     return softmax_keys(masked(s, _windowed(mask, q.shape[-2], k.shape[-2], window))) @ v
@@ -72,6 +64,8 @@ def _swap(t):
 
 
 @mistake("heads-sequence-transposed", family="layout", arguments=True, grouped=True,
+         cause="the kernel reads its [B, S, H, D] inputs as [B, H, S, D]: it attends over the heads instead of the "
+               "sequence (heads and sequence transposed)",
          caught_by=("matches-reference",),
          sentence="heads and sequence are transposed: a [B, S, H, D] kernel reads its inputs as [B, H, S, D] "
                   "and attends over the heads instead of the sequence",
@@ -79,9 +73,8 @@ def _swap(t):
              "--layout bhsd if that is its layout")
 def heads_sequence_transposed(q, k, v, mask, scale, is_causal):
     q_, k_, v_ = _swap(q), _swap(k), _swap(v)  # the kit's [..., H, S, D] as the kernel reads them
-    if is_causal:  # a causal triangle over the heads (top-left, as SDPA's is_causal)
-        mask = fold_causal(mask, q_.shape[-2], k_.shape[-2])  # [H, H_kv]
-    out = correct(q_, k_, v_, mask, scale_of(q, scale)).transpose(-3, -2)  # [..., S, H, Dv] -> [..., H, S, Dv]
+    out = correct(q_, k_, v_, mask, scale_of(q, scale), causal=is_causal)  # causal over the heads (top-left, as SDPA's)
+    out = out.transpose(-3, -2)  # [..., S, H, Dv] -> [..., H, S, Dv]
     return out if q.dim() > 2 else out[0]
 
 

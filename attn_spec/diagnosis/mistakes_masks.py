@@ -12,6 +12,7 @@ from attn_spec.diagnosis.model import NEG_INF, correct, masked, mistake, scale_o
 
 
 @mistake("mask-ignored", family="masking", caught_by=("causal-mask", "mask-semantics"),
+         cause="the mask is ignored",
          sentence="the mask is ignored: every query attends every key",
          fix="scores.masked_fill(~mask, float('-inf')) before the softmax")
 def mask_ignored(q, k, v, mask, scale):
@@ -19,6 +20,7 @@ def mask_ignored(q, k, v, mask, scale):
 
 
 @mistake("mask-inverted", family="masking", caught_by=("causal-mask", "mask-semantics"),
+         cause="the mask is applied with inverted polarity (True taken as 'ignore')",
          sentence="the mask is applied with inverted polarity: True is taken as 'ignore' (the kit's and "
                   "PyTorch's bool masks say True = may attend)",
          fix="scores.masked_fill(~mask, float('-inf')), not masked_fill(mask, ...)")
@@ -99,11 +101,10 @@ def mask_bias_finite(q, k, v, mask, scale, bias):
          sentence="an additive mask is scaled with the scores ((Q Kᵀ + mask) / sqrt(d_k)): finite biases shrink",
          fix="add the mask after scaling: Q Kᵀ / sqrt(d_k) + mask")
 def mask_scaled_with_scores(q, k, v, mask, scale):
-    s = q @ k.transpose(-2, -1)
-    if mask is not None:
-        s = s + (torch.zeros(mask.shape, dtype=s.dtype).masked_fill(~mask, NEG_INF) if mask.dtype == torch.bool
-                 else mask)
-    return softmax_keys(s * scale_of(q, scale)) @ v
+    if mask is not None:  # (Q Kᵀ + mask) · scale: the bias the softmax sees is the mask times the scale
+        bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, NEG_INF) if mask.dtype == torch.bool else mask
+        mask = bias * scale_of(q, scale)
+    return correct(q, k, v, mask, scale)
 
 
 @mistake("mask-first-batch-only", family="masking", caught_by=("mask-semantics", "batch-independence"),
@@ -126,5 +127,4 @@ def mask_first_batch_only(q, k, v, mask, scale):
                   "without a mask",
          fix="apply only the mask the caller passes; build a causal mask outside, where it is wanted")
 def causal_hard_coded(q, k, v, mask, scale):
-    tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()  # [Tq, Tk]
-    return softmax_keys(masked(masked(scores(q, k, scale), tril), mask)) @ v
+    return correct(q, k, v, mask, scale, causal=True)  # key j <= query i, whatever the caller passed

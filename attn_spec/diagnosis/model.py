@@ -12,6 +12,8 @@ actually called with. Its function is the wrong code itself, written plainly:
   readings of the same input (randomness cannot be replayed, only recognised).
 - ``level="dropout"``, ``level="alibi"``: ``fn(reading) -> params or None`` judges a readout of the dropped
   weights or of the ALiBi bias (attn_spec.diagnosis.mistakes_dropout, mistakes_alibi).
+- ``level="decode"``, ``"merge"``, ``"varlen"``: ``fn(call) -> {name: tensor}``, a serving kernel of that
+  convention on one recorded call (attn_spec.diagnosis.serving; ``paged``: a model of paged caches itself).
 
 By default a model gets float64 copies of the inputs (its own rounding is then negligible);
 ``exact=True`` gives it the inputs in their own dtype, for mistakes whose rounding, overflow or
@@ -28,9 +30,13 @@ from typing import Callable
 
 import torch
 
+from attn_spec import reference
+from attn_spec.reference import masked  # noqa: F401 - a building block of the models: the reference's own
+
 F64 = torch.float64
 NEG_INF = float("-inf")
-LEVELS = ("attend", "module", "backward", "stochastic", "dropout", "alibi")
+SERVING = ("decode", "merge", "varlen")  # levels of serving kernels: replayed on their own calls (diagnosis.serving)
+LEVELS = ("attend", "module", "backward", "stochastic", "dropout", "alibi", *SERVING)
 RECOGNISED = ("stochastic", "dropout", "alibi")  # levels whose randomness is recognised from readings, never replayed
 
 MISTAKES: dict[str, "Mistake"] = {}
@@ -55,11 +61,19 @@ class Mistake:
     stateful: bool = False  # receives ``state``, a dict kept across the calls of one replay
     options: bool = False  # receives ``window`` and ``softcap`` itself (otherwise the window is folded into the
     #                        mask and the cap applied by ``scores``, as the correct formula does)
+    cause: str = ""  # the words one mismatch names it by (attn_spec.diagnosis.mismatch: they may name the numbers it
+    #                  measured), where they are not the sentence
+    paged: bool = False  # a decode model of paged caches itself (serving levels only)
 
     @property
     def recognised(self) -> bool:
         """Recognised from readings of random outputs, not replayed on recorded calls."""
         return self.level in RECOGNISED
+
+    @property
+    def serving(self) -> bool:
+        """A serving kernel's model: replayed on the calls of its own convention, never on an attention's."""
+        return self.level in SERVING
 
     @property
     def code(self) -> str:
@@ -81,25 +95,32 @@ class Mistake:
     def fix_for(self, params: dict | None = None) -> str:
         return self.fix.format(**(self.typical if params is None else params))
 
+    def cause_for(self, **params) -> str:
+        """What one output this model reproduces says of the target: its ``cause``, or else its sentence."""
+        return (self.cause or self.sentence).format(**{**self.typical, **params})
 
-def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "attend", caught_by=(),
-            exact=False, precision=None, params=(), grouped=False, arguments=False, stateful=False, options=False):
-    """Register ``fn`` as the mistake ``id`` (stable, kebab-case: a public contract, like property ids)."""
+
+def mistake(id: str, *, sentence: str, fix: str, family: str, level: str = "attend", caught_by=(), params=(),
+            **flags):
+    """Register ``fn`` as the mistake ``id`` (stable, kebab-case: a public contract, like property ids); ``flags``:
+    the record's other fields (exact, precision, grouped, arguments, stateful, options, cause, paged)."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")  # sanity check
 
     def register(fn):
         if id in MISTAKES:
             raise ValueError(f"mistake id {id!r} is registered twice")  # sanity check
-        MISTAKES[id] = Mistake(id, fn, level, sentence, fix, family, tuple(caught_by), exact, precision,
-                               params if isinstance(params, dict) else tuple(params), grouped, arguments, stateful,
-                               options)
+        MISTAKES[id] = Mistake(id, fn, level, sentence, fix, family, tuple(caught_by),
+                               params=params if isinstance(params, dict) else tuple(params), **flags)
         return fn
 
     return register
 
 
 # ------------------------------------------------------------------ building blocks of the models
+# The formula is the reference's (attn_spec.reference: scores, masked, softmax_keys, attention), in the inputs' own
+# dtype; a model states its mistake as a change to its inputs or options, or writes its different formula with these
+# pieces. What a replay adds: the call's softcap (capped), free rows (collecting_free), plain_softmax.
 
 _FREE: contextvars.ContextVar[list | None] = contextvars.ContextVar("free", default=None)
 
@@ -138,19 +159,14 @@ def capped(cap):
         _CAP.reset(token)
 
 
+def _reference(options: dict) -> dict:
+    """The reference's options for a model: the inputs' own dtype, the call's softcap (see capped), then ``options``."""
+    return {"softcap": _CAP.get(), "dtype": None, **options}
+
+
 def scores(q, k, scale=None):
-    s = q @ k.transpose(-2, -1) * scale_of(q, scale)  # [..., Tq, Tk]
-    cap = _CAP.get()
-    return s if cap is None else cap * torch.tanh(s / cap)
-
-
-def masked(s, mask, fill=NEG_INF):
-    """A bool mask fills the disallowed scores; a float mask is added as a bias."""
-    if mask is None:
-        return s
-    if mask.dtype == torch.bool:
-        return s.masked_fill(~mask, fill)
-    return s + mask
+    """scale * Q K^T [..., Tq, Tk] in the inputs' dtype, soft-capped as the call asks: the reference's scores."""
+    return reference.scores(q, k, scale=scale, **_reference({}))
 
 
 _PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("plain", default=False)
@@ -168,21 +184,23 @@ def plain_softmax():
 
 
 def softmax_keys(s):
-    """softmax over the keys; a row with no allowed key is left free and given zeros."""
+    """The reference's softmax over the keys; a row with no allowed key is left free and given zeros (or, within
+    plain_softmax, NaN)."""
     if _PLAIN.get():
         return torch.softmax(s, dim=-1)  # [..., Tq, Tk]: NaN where a row has no allowed key
-    empty = torch.isneginf(s).all(dim=-1, keepdim=True)  # [..., Tq, 1]
-    leave_free(empty.expand(s.shape))
-    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    leave_free(torch.isneginf(s).all(dim=-1, keepdim=True).expand(s.shape))  # [..., Tq, Tk]
+    return reference.softmax_keys(s)
 
 
-def weights(q, k, mask=None, scale=None):
-    return softmax_keys(masked(scores(q, k, scale), mask))  # [..., Tq, Tk]
+def weights(q, k, mask=None, scale=None, **options):
+    """The reference's weights [..., Tq, Tk], in the inputs' dtype (its ``options``: causal, window, softcap)."""
+    return softmax_keys(reference.scores(q, k, mask, scale=scale, **_reference(options)))
 
 
-def correct(q, k, v, mask=None, scale=None):
-    """softmax(scale Q K^T + mask) V: the formula every mistake departs from."""
-    return weights(q, k, mask, scale) @ v  # [..., Tq, Dv]
+def correct(q, k, v, mask=None, scale=None, **options):
+    """softmax(scale Q K^T + mask) V, the formula every mistake departs from: the reference's
+    (attn_spec.reference.attention, with its ``options``: causal, window, softcap, ...), in the inputs' dtype."""
+    return reference.attention(q, k, v, mask, scale=scale, softmax=softmax_keys, **_reference(options))[0]
 
 
 def split_heads(t, h):

@@ -86,9 +86,10 @@ def _cap(m: Mistake, call: Call):
 def _run(m: Mistake, call: Call, params: dict, state: dict):
     """(output, the model's own input copies) of ``m`` on ``call``; None when ``m`` says nothing about it."""
     level = m.level
-    if m.recognised or (level == "module" and call.kind != "multihead") or call.inputs.get("dropout") \
+    if m.recognised or m.serving or (level == "module" and call.kind != "multihead") or call.inputs.get("dropout") \
             or call.inputs.get("alibi") is not None:
-        return None  # dropout and ALiBi calls are recognised from readouts (mistakes_dropout, mistakes_alibi)
+        return None  # dropout and ALiBi calls are recognised from readouts (mistakes_dropout, mistakes_alibi); a
+        #              serving kernel's model is replayed on its own calls (diagnosis.serving)
     if call.kind == "attend":
         q, k, v, mask, scale, args, x = _attend_inputs(m, call)
         if level == "backward":

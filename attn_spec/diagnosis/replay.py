@@ -206,7 +206,7 @@ def _fitted(m: Mistake, ev: Evidence):
 
 def fit(m: Mistake, ev: Evidence) -> Fit | None:
     """The first parameter setting with which ``m`` reproduces every call and differs from the correct formula."""
-    if m.recognised:
+    if m.recognised or m.serving:
         return None
     for params in _candidates(m, ev):
         state, replayed, telling, free, messages = {}, 0, 0, 0, 0
@@ -259,7 +259,7 @@ def nearest(ev: Evidence, mistakes=None):
     """(Fit-like guess, calls reproduced) of the model closest to the evidence when none fits, or None."""
     best, best_key = None, None
     for m in (list(MISTAKES.values()) if mistakes is None else mistakes):
-        if m.recognised or isinstance(m.params, dict):
+        if m.recognised or m.serving or isinstance(m.params, dict):
             continue
         for params in _candidates(m, ev):
             state, agree, telling, total, ratios = {}, 0, 0, 0, []

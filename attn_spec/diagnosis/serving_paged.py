@@ -1,5 +1,5 @@
-"""Mistake models of paged decode kernels (the decode convention with ``block_table``), registered by
-attn_spec.diagnosis.serving after its own and found the same way: each is the correct float64 kernel with the bug
+"""Mistake models of paged decode kernels (the decode convention with ``block_table``: ``paged=True``), registered
+after attn_spec.diagnosis.serving's own and found the same way: each is the correct float64 kernel with the bug
 put in, replayed on every call a failing property made.
 
 Each model takes a recorded call, paged or not: a contiguous cache [B, S_c, H_kv, D] is read as a pool of B pages of
@@ -10,26 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from attn_spec.diagnosis.model import mistake
+from attn_spec.diagnosis.serving_correct import correct_decode, decoded, element
 from attn_spec.targets.serving_decode import decode_reference
-
-PAGED_MODELS: list[tuple[str, object, dict]] = []  # (id, fn, sentence / fix / caught_by), in the order found
 
 
 def paged_mistake(id: str, **words):
-    def register(fn):
-        PAGED_MODELS.append((id, fn, words))
-        return fn
-    return register
-
-
-def _decoded(out, lse, k_after, v_after) -> dict:
-    return {"out": out, "k_after": k_after, "v_after": v_after}
-
-
-def _correct_decode(c):
-    return _decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], c["cache_seqlens"], c["k"], c["v"],
-                                      c["cache_leftpad"], causal=c["causal"], scale=c["scale"],
-                                      block_table=c.get("block_table")))
+    """A decode model of paged caches: a catalog entry of level decode that sees the block table itself."""
+    return mistake(id, level="decode", family="serving", paged=True, **words)
 
 
 def _as_paged(c) -> dict:
@@ -62,7 +50,7 @@ def page_tail_read(c):
     c = _as_paged(c)
     P, table = c["k_cache"].shape[1], c["block_table"]
     whole = (_ends(c) + P - 1) // P * P  # [B]: the length rounded up to whole pages
-    return _read(c, _correct_decode(c), whole, table)
+    return _read(c, correct_decode(c), whole, table)
 
 
 @paged_mistake("paged-physical-order",
@@ -77,7 +65,7 @@ def paged_physical_order(c):
     for b, end in enumerate(_ends(c).tolist()):
         n = -(-end // P)  # the pages element b reaches
         table[b, :n] = table[b, :n].sort().values
-    return _read(c, _correct_decode(c), _ends(c), table)
+    return _read(c, correct_decode(c), _ends(c), table)
 
 
 @paged_mistake("paged-append-first-page",
@@ -88,7 +76,7 @@ def paged_physical_order(c):
 def paged_append_first_page(c):
     c = _as_paged(c)
     if c["k"] is None:
-        return _correct_decode(c)
+        return correct_decode(c)
     P, table = c["k_cache"].shape[1], c["block_table"]
     k_pool, v_pool = (c[name].to(torch.float64).clone() for name in ("k_cache", "v_cache"))
     for b, start in enumerate(torch.as_tensor(c["cache_seqlens"]).tolist()):
@@ -112,13 +100,10 @@ def block_table_overrun(c):
         row = flat[b * width:b * width + -(-end // P)]  # [pages reached]: past the row, the next element's
         if row.numel() < -(-end // P):
             raise IndexError("the flat block table ends before the sequence does")
-        one = {**c, "q": c["q"][b:b + 1], "k_cache": k_pool, "v_cache": v_pool, "block_table": row[None],
-               "cache_seqlens": torch.as_tensor(c["cache_seqlens"])[b:b + 1],
-               **{name: None if c[name] is None else c[name][b:b + 1] for name in ("k", "v", "cache_leftpad")}}
-        got = _correct_decode(one)
+        got = correct_decode({**element(c, b), "k_cache": k_pool, "v_cache": v_pool, "block_table": row[None]})
         outs.append(got["out"])
         k_pool, v_pool = got["k_after"], got["v_after"]
-    return _decoded(torch.cat(outs), None, k_pool, v_pool)
+    return decoded(torch.cat(outs), None, k_pool, v_pool)
 
 
 @paged_mistake("masked-slots-times-zero",
@@ -131,7 +116,7 @@ def block_table_overrun(c):
                caught_by=("paged-outside-invariance", "cache-outside-invariance"))
 def masked_slots_times_zero(c):
     c = _as_paged(c)
-    right = _correct_decode(c)
+    right = correct_decode(c)
     values = right["v_after"]  # [num_blocks, page, H_kv, D]: the whole pool, appended rows included
     group = c["q"].shape[2] // values.shape[2]
     poison = 0 * values.sum((0, 1)).repeat_interleave(group, 0)  # [H, D]: NaN where any slot's value is NaN

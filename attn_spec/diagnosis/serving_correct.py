@@ -1,0 +1,45 @@
+"""The correct serving kernels on one recorded call: the float64 references every serving mistake model departs
+from (attn_spec.diagnosis.serving, serving_paged), each returning the outputs a call's record names (decode: out,
+k_after, v_after; merge: v, s; varlen: out)."""
+from __future__ import annotations
+
+import torch
+
+from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.targets.serving_merge import merge_reference
+from attn_spec.targets.serving_varlen import varlen_reference
+
+
+def decoded(out, lse, k_after, v_after) -> dict:
+    """decode_reference's four results as a decode call's outputs (the LSE is not recorded)."""
+    return {"out": out, "k_after": k_after, "v_after": v_after}
+
+
+def correct_decode(c, **change) -> dict:
+    """decode_reference on one recorded call, with ``change`` (cache_seqlens, causal, causal_alignment) made to it."""
+    args = {"cache_seqlens": c["cache_seqlens"], "causal": c["causal"], **change}
+    return decoded(*decode_reference(c["q"], c["k_cache"], c["v_cache"], args.pop("cache_seqlens"), c["k"], c["v"],
+                                     c["cache_leftpad"], scale=c["scale"], block_table=c.get("block_table"), **args))
+
+
+def element(c, b: int) -> dict:
+    """The decode call ``c`` restricted to its batch element ``b`` (its caches included)."""
+    one = {name: None if c[name] is None else c[name][b:b + 1]
+           for name in ("q", "k_cache", "v_cache", "k", "v", "cache_leftpad")}
+    return {**c, **one, "cache_seqlens": torch.as_tensor(c["cache_seqlens"])[b:b + 1]}
+
+
+def correct_merge(c) -> dict:
+    v, s = merge_reference(*c["inputs"], base=c["base"])
+    return {"v": v, "s": s}
+
+
+def correct_varlen(c, **change) -> dict:
+    """varlen_reference on one recorded call, with ``change`` (cu_q, cu_k, alignment, key_shift) made to it."""
+    args = {"cu_q": c["cu_q"], "cu_k": c["cu_k"], **change}
+    out, _ = varlen_reference(c["q"], c["k"], c["v"], args.pop("cu_q"), args.pop("cu_k"), causal=c["causal"],
+                              window=c["window"], scale=c["scale"], softcap=c["softcap"], **args)
+    return {"out": out}
+
+
+CORRECT = {"decode": correct_decode, "merge": correct_merge, "varlen": correct_varlen}
