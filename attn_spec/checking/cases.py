@@ -6,6 +6,7 @@ it, a report can print it, and a reproduction snippet can rebuild it exactly.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +27,9 @@ def available_devices() -> list[str]:
 
 
 LARGE = 2**22  # entries per tensor beyond which a case draws its values on its own device (below)
+KEPT_PAIRS = 2**22  # query-key pairs beyond which a case's drawn tensors are kept and handed out as copies
+KEPT_BYTES = 2**29  # what the kept tensors may hold in all (a larger case's are drawn again every time)
+_KEPT: OrderedDict = OrderedDict()  # Case -> (Q, K, V, mask), least recently used first
 
 
 def _values(gen, shape, style, magnitude, dtype=torch.float64, device="cpu"):
@@ -95,7 +99,24 @@ class Case:
         return size * math.prod(self.batch) > LARGE
 
     def tensors(self):
-        """(Q, K, V, mask) in the case's dtype and device; mask is bool or None."""
+        """(Q, K, V, mask) in the case's dtype and device; mask is bool or None. A long case (properties at
+        fixed shapes ask for its tensors again and again) is drawn once and handed out as fresh copies, with
+        the same strides: a target may write into what it gets."""
+        if math.prod(self.batch) * self.n_q * self.n_kv <= KEPT_PAIRS:
+            return self._draw()
+        kept = _KEPT.get(self)
+        if kept is None:
+            kept = self._draw()
+            size = sum(t.numel() * t.element_size() for t in kept if t is not None)
+            if 2 * size > KEPT_BYTES:
+                return kept
+            _KEPT[self] = kept
+            while sum(t.numel() * t.element_size() for c in _KEPT.values() for t in c if t is not None) > KEPT_BYTES:
+                _KEPT.popitem(last=False)
+        _KEPT.move_to_end(self)
+        return tuple(None if t is None else t.clone() for t in kept)
+
+    def _draw(self):
         large = self.large
         device = self.device if large else "cpu"
         draw = torch.float64 if not large or self.dtype == "float64" else torch.float32
