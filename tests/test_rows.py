@@ -147,3 +147,14 @@ def test_the_same_backward_without_its_mistake_conforms(shape):
     report = attn_spec.check(backward_correct, shapes=[shape], dtypes=["float32"], devices=["cpu"],
                              only=["gradients"])
     assert report.conforms, str(report)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+def test_a_long_case_is_drawn_once_and_handed_out_as_fresh_copies(mask):
+    from attn_spec.checking.cases import _KEPT, Case
+    case = Case(batch=(1, 2), n_q=3000, n_kv=3000, d_k=8, d_v=8, values="normal", mask=mask, dtype="float32", seed=1)
+    first = case.tensors()
+    assert case in _KEPT and (mask != "causal" or _KEPT[case][3] is None)  # no [n_q, n_kv] mask is kept
+    first[0].add_(1.0)  # a target writes into what it got: the next copy is as drawn
+    for again, drawn in zip(case.tensors(), case._draw()):
+        assert (again is None and drawn is None) or (torch.equal(again, drawn) and again.stride() == drawn.stride())

@@ -27,8 +27,8 @@ def available_devices() -> list[str]:
 
 
 LARGE = 2**22  # entries per tensor beyond which a case draws its values on its own device (below)
-KEPT_PAIRS = 2**22  # query-key pairs beyond which a case's drawn tensors are kept and handed out as copies
-KEPT_BYTES = 2**29  # what the kept tensors may hold in all (a larger case's are drawn again every time)
+KEPT_PAIRS = 2**22  # query-key pairs beyond which a case's drawn Q, K, V are kept and handed out as copies
+KEPT_BYTES = 2**28  # what the kept tensors may hold in all, O(n d) (a larger case's are drawn again every time)
 _KEPT: OrderedDict = OrderedDict()  # Case -> (Q, K, V, mask), least recently used first
 
 
@@ -50,6 +50,10 @@ def _random_mask(gen, shape, device="cpu"):
     mask = torch.rand(shape, generator=gen, device=device) < 0.6  # [..., Tq, Tk]
     keep = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=gen, device=device)  # [..., Tq, 1]
     return mask.scatter(-1, keep, True)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass(frozen=True)
@@ -106,15 +110,16 @@ class Case:
             return self._draw()
         kept = _KEPT.get(self)
         if kept is None:
-            kept = self._draw()
-            size = sum(t.numel() * t.element_size() for t in kept if t is not None)
-            if 2 * size > KEPT_BYTES:
-                return kept
+            drawn = self._draw()
+            kept = drawn[:3] + ((None,) if self.mask == "causal" else drawn[3:])  # an [n_q, n_kv] mask is not kept
+            if 2 * _bytes(kept) > KEPT_BYTES:
+                return drawn
             _KEPT[self] = kept
-            while sum(t.numel() * t.element_size() for c in _KEPT.values() for t in c if t is not None) > KEPT_BYTES:
+            while sum(map(_bytes, _KEPT.values())) > KEPT_BYTES:
                 _KEPT.popitem(last=False)
         _KEPT.move_to_end(self)
-        return tuple(None if t is None else t.clone() for t in kept)
+        q, k, v, mask = (None if t is None else t.clone() for t in kept)
+        return q, k, v, causal_mask(self.n_q, self.n_kv, device=self.device) if self.mask == "causal" else mask
 
     def _draw(self):
         large = self.large
