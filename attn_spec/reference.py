@@ -34,6 +34,13 @@ def causal_mask(n_q: int, n_kv: int, *, alignment: str = "top-left", device=None
     return (j <= i) if window is None else (j <= i) & (j > i - window)  # [Tq, Tk]
 
 
+def keyless_rows(n_q: int, n_kv: int, *, alignment: str = "top-left") -> torch.Tensor:
+    """Bool [Tq]: the rows of ``causal_mask`` without an allowed key (bottom-right with n_q > n_kv: the first
+    n_q - n_kv), in O(n) rather than from the [Tq, Tk] mask."""
+    offset = 0 if alignment == "top-left" else n_kv - n_q
+    return (torch.arange(n_q) + offset < 0) | (n_kv == 0)  # row i's last key is i + offset
+
+
 def fold_causal(mask, n_q: int, n_kv: int, window=None):
     """``mask`` (bool, float or None) with the causal pattern folded in (and a window of w keys, if any):
     a call's ``is_causal``/``window`` written as its mask."""

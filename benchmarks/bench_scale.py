@@ -1,13 +1,14 @@
 """A check at the sizes kernels run: time and peak memory per rung of the scale ladder, the kit's share.
 
     python benchmarks/bench_scale.py [--device cpu|cuda] [--lengths 1024 4096] [--dims 64 128] [--markdown]
-    python benchmarks/bench_scale.py --shapes 1,1,4096,64 1,1,16384,64 [1,1,65536,64] [--only ...]
+    python benchmarks/bench_scale.py --shapes 1,1,4096,64 1,1,16384,64 [1,1,65536,64] [--only ...] [--threads 1]
     python benchmarks/bench_scale.py --device cuda --shapes 1,2,1,131072,131072,128 --dtypes bfloat16
     python benchmarks/bench_scale.py --device cuda --gpu-conformance
 
-The table puts the check's wall time beside the target's own calls in it (the ``check / target``
-ratio: at most 2x up to 16k keys; beyond, the check within 10 minutes). Every run is unattended:
-a rung that fails or runs out of memory is a row saying so.
+The table puts the check's wall time beside the target's own calls in it, and the same in CPU
+seconds (the ``CPU: check / target`` ratio, the one judged: at most 2x up to 16k keys; beyond, the
+check within 10 minutes of wall time). Every run is unattended: a rung that fails or runs out of
+memory is a row saying so.
 
 Each rung (one shape, one dtype) runs in a fresh process (``--worker``) that
 1. warms up (imports, every kernel's first call) with a tiny fixed-shape check;
@@ -66,31 +67,33 @@ def worker(spec: str, shape: str, dtype: str, device: str, only: list[str]) -> d
         if device == "cuda":
             torch.cuda.synchronize()
 
-    fn, inside = load_target(spec), [0.0]
+    fn, inside = load_target(spec), [0.0, 0.0]  # the target's own wall and CPU seconds
 
     @functools.wraps(fn)  # the target's signature: its convention sees the same arguments
     def timed(*args, **kwargs):
         sync()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
             sync()
             inside[0] += time.perf_counter() - start
+            inside[1] += time.process_time() - cpu
 
     from attn_spec.targets import base
 
     own_vjp = base.Target._vjp
 
     def timed_vjp(self, *args):  # the target's backward is its own time too (the forward inside is timed above)
-        before = inside[0]
+        before = list(inside)
         sync()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             return own_vjp(self, *args)
         finally:
             sync()
-            inside[0] = before + time.perf_counter() - start
+            inside[0] = before[0] + time.perf_counter() - start
+            inside[1] = before[1] + time.process_time() - cpu
 
     base.Target._vjp = timed_vjp
     props = select(only or None)
@@ -100,7 +103,7 @@ def worker(spec: str, shape: str, dtype: str, device: str, only: list[str]) -> d
     start_rss = _peak_bytes(device)
     target = make_target(timed, convention=convention)
     rung = Rung(Shape.parse(shape), dtype, device)
-    inside[0] = 0.0
+    inside[:] = [0.0, 0.0]
     for prop in props:  # the target's own work on each case it will get
         made = fixed_cases(prop, convention, rung, 0)
         for case in [] if isinstance(made, str) else [c for c in made if isinstance(c, Case)]:
@@ -116,7 +119,7 @@ def worker(spec: str, shape: str, dtype: str, device: str, only: list[str]) -> d
     base = _peak_bytes(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the check's own peak from here
-    inside[0] = 0.0
+    inside[:] = [0.0, 0.0]
     start, cpu = time.perf_counter(), time.process_time()
     report = attn_spec.check(timed, shapes=[shape], dtypes=[dtype], devices=[device], seed=0, only=only or None,
                              convention=convention)
@@ -124,15 +127,16 @@ def worker(spec: str, shape: str, dtype: str, device: str, only: list[str]) -> d
     peak = _peak_bytes(device)
     t = report.targets[0]
     return {"shape": shape, "dtype": dtype, "device": device, "wall": wall, "cpu": cpu, "target_s": inside[0],
-            "target_alone_s": alone_s, "calls": t.calls, "start": start_rss, "base": base, "peak": peak,
+            "target_cpu": inside[1], "threads": torch.get_num_threads(), "target_alone_s": alone_s, "calls": t.calls, "start": start_rss, "base": base, "peak": peak,
             "conforms": report.conforms,
             "failed": [f"{p.id}: {p.message} ({p.cause})" for p in t.properties if p.status in ("fail", "error")],
             "checked": [p.id for p in t.properties if p.status == "pass"]}
 
 
-def run_rung(spec, shape, dtype, device, only, timeout) -> dict:
+def run_rung(spec, shape, dtype, device, only, timeout, threads=0) -> dict:
     cmd = [sys.executable, __file__, "--worker", spec, shape, dtype, device, *only]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         return {"shape": shape, "dtype": dtype, "device": device, "error": proc.stderr.strip()[-400:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -155,8 +159,12 @@ RATIO_TARGET = 2.0  # the whole check at most twice the target's own calls, up t
 MINUTES_TARGET = 10  # beyond: the check finishes within this many minutes
 
 
-def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=()) -> list[list]:
-    """One row per rung: the check's time beside the target's own calls in it, the ratio, the kit's memory."""
+def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=(), threads=0) -> list[list]:
+    """One row per rung: the check's time beside the target's own calls in it, the ratio, the kit's memory.
+
+    The ratio judged is in CPU seconds, both measured in the same process (on a machine shared with other
+    work, wall time stretches the kit's many short passes more than the target's long kernels; with more
+    than one thread, so do the threads' spin-waits: ``threads=1`` gives the figure load changes least)."""
     from attn_spec.checking.shapes import DEVICE_DTYPES, Shape, ladder
 
     shapes = [Shape.parse(s) for s in shapes] or \
@@ -164,17 +172,21 @@ def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=()
     rows, fits = [], {}
     for shape in shapes:
         for dtype in dtypes or DEVICE_DTYPES[device]:
-            r = run_rung(spec, str(shape), dtype, device, only, timeout)
+            r = run_rung(spec, str(shape), dtype, device, only, timeout, threads)
             label = f"check at {shape} ({dtype}, {device})"
             if "error" in r:
-                rows.append([label, "error", "", "", "", r["error"], "", ""])
+                rows.append([label, "error", "", "", "", "", r["error"], "", ""])
                 continue
             kit_mem, own_mem = max(r["peak"] - r["base"], 0), r["base"] - r["start"]
             ratio = r["wall"] / max(r["target_s"], 1e-9)
+            cpu_ratio = r["cpu"] / max(r["target_cpu"], 1e-9)
             goal = f"<= {RATIO_TARGET:g}x" if shape.n_kv <= 16384 else f"< {MINUTES_TARGET} min"
-            met = ratio <= RATIO_TARGET if shape.n_kv <= 16384 else r["wall"] < 60 * MINUTES_TARGET
+            met = cpu_ratio <= RATIO_TARGET if shape.n_kv <= 16384 else r["wall"] < 60 * MINUTES_TARGET
             rows.append([label, f"{r['wall']:.1f} s", f"{r['target_s']:.2f} s in {r['calls']} calls",
                          f"{r['wall'] - r['target_s']:.1f} s", f"{ratio:.2f}x",
+                         f"{r['cpu']:.1f} s / {r['target_cpu']:.2f} s = {cpu_ratio:.2f}x (kit "
+                         f"{1 - r['target_cpu'] / max(r['cpu'], 1e-9):.0%}; {r['threads']} thread"
+                         f"{'s' if r['threads'] > 1 else ''})",
                          f"+{_mb(kit_mem)} over the target's own {_mb(own_mem)}; {len(r['checked'])} properties "
                          f"checked" + ("" if r["conforms"] else "; does NOT conform") +
                          (f"; FAILED {r['failed']}" if r["failed"] else ""), goal, "yes" if met else "NO"])
@@ -186,7 +198,7 @@ def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=()
         (n0, m0, _), (n1, m1, t1) = points[-2], points[-1]
         slope = max((m1 - m0) / (n1 - n0), 1.0)  # bytes per key (times heads), from the two longest rungs
         n_max = int(n1 + (available - m1) / slope)
-        rows.append([f"largest length that fits (d={d}, {dtype}, {device})", f"about {n_max:,} keys", "", "", "",
+        rows.append([f"largest length that fits (d={d}, {dtype}, {device})", f"about {n_max:,} keys", "", "", "", "",
                      f"memory: {_mb(available)} available, {slope / 1024:.1f} KB per key from the two longest rungs; "
                      f"time grows as n^2: one check there would take about {t1 * (n_max / n1) ** 2 / 3600:.1f} h",
                      "", ""])
@@ -196,8 +208,8 @@ def ladder_rows(spec, device, lengths, dims, only, timeout, shapes=(), dtypes=()
 def measure_rows(rows) -> list[list]:
     """The ladder's rows in bench.py's five columns (measure, figure, detail, target, met)."""
     return [[rung, check if not own else f"{check}, {ratio} the target's own calls",
-             f"target {own}, kit {kit}; {detail}" if own else detail, goal, met]
-            for rung, check, own, kit, ratio, detail, goal, met in rows]
+             f"target {own}, kit {kit}; CPU {cpu}; {detail}" if own else detail, goal, met]
+            for rung, check, own, kit, ratio, cpu, detail, goal, met in rows]
 
 
 def gpu_conformance_rows(timeout) -> list[list]:
@@ -232,6 +244,8 @@ def main() -> None:
                         help="these shapes instead of the ladder, e.g. 1,1,4096,64 1,1,16384,64 (and 1,1,65536,64)")
     parser.add_argument("--dtypes", nargs="*", default=[], help="these dtypes instead of the device's own")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per rung")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's threads in each rung (OMP_NUM_THREADS; 0: torch's default)")
     parser.add_argument("--gpu-conformance", action="store_true")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -245,9 +259,9 @@ def main() -> None:
                          tablefmt=fmt)
     else:
         table = tabulate(ladder_rows(args.target, args.device, args.lengths, args.dims, args.only, args.timeout,
-                                     args.shapes, args.dtypes),
-                         headers=["rung", "check", "target's own calls", "kit", "check / target", "kit memory, checked",
-                                  "target", "met"], tablefmt=fmt)
+                                     args.shapes, args.dtypes, args.threads),
+                         headers=["rung", "check", "target's own calls", "kit", "check / target",
+                                  "CPU: check / target", "kit memory, checked", "target (CPU)", "met"], tablefmt=fmt)
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after\n")
     print(table)
 

@@ -16,14 +16,17 @@ from attn_spec import reference
 from attn_spec.checking.assertions import fail, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.checking.grad_tolerance import NAMES, grad_budgets, reference_grads, reference_grads_and_terms
-from attn_spec.checking.tolerance import max_error
+from attn_spec.checking.grad_tolerance import NAMES, judged_backward
+from attn_spec.checking.tolerance import all_finite, max_error
 from attn_spec.properties.informative import require_responsive
 
 FD_DIRECTIONS, FD_EPS, FD_ATOL, FD_RTOL = 3, 1e-6, 1e-5, 1e-3  # finite differences, as torch.autograd.gradcheck
-def _vjp(mask) -> str:
-    """The backward call, as the user would write it: the mask named only where there is one."""
-    return f"the backward of attention(Q, K, V{with_mask(mask)}) with upstream gradient G"
+def _vjp(mask, judged=None) -> str:
+    """The backward call, as the user would write it: the mask named only where there is one; on a long case,
+    which rows G is given on."""
+    rows = "" if judged is None or judged.why is None else \
+        f" (zero except on the {len(judged.why)} query rows judged exactly)"
+    return f"the backward of attention(Q, K, V{with_mask(mask)}) with upstream gradient G{rows}"
 
 
 @prop("gradients", family="gradients",
@@ -52,17 +55,20 @@ def gradients(target, case):
     from the future makes a decoder learn to peek. Catches: a custom autograd.Function with a
     wrong backward (softmax backward, missing scale), V (or Q, K) detached, NaN gradients from
     unmasked padding, a backward that recomputes the weights without the mask.
+    On a long case G is zero except on the chosen rows (``grad_tolerance.judged_backward``): the
+    reference is then exact at O(k n d), and dQ of every other row must be zero.
     """
     require_responsive(target, case)
     q, k, v, mask = case.tensors()
-    grad_out = _grad_out(case)  # [..., Tq, Dv]
-    expected, terms = reference_grads_and_terms(q, k, v, mask, grad_out)
-    allowed = grad_budgets(q, k, v, mask, grad_out, expected, terms)
+    judged = judged_backward(q, k, v, mask, _grad_out(case))
+    grad_out = judged.upstream  # [..., Tq, Dv]
+    expected, allowed = judged.reference_and_budgets()
     _, *grads = target.vjp(*case.tensors(), grad_out.clone())  # its own copies: it may write into them
-    bad = [i for i, g in enumerate(grads) if not torch.isfinite(g).all()]
+    bad = [i for i, g in enumerate(grads) if not all_finite(g)]
     if bad:
         names = " and ".join(NAMES[i] for i in bad)
-        fail("NaN or inf", what=names, expected="finite values, as the reference gradients are", call=_vjp(mask),
+        fail("NaN or inf", what=names, expected="finite values, as the reference gradients are",
+             call=_vjp(mask, judged),
              cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
                    f"does not mask (0 * NaN), or divides by a zero sum",
              got=grads[bad[0]], expected_tensor=expected[bad[0]],
@@ -74,12 +80,23 @@ def gradients(target, case):
     if wrong:
         i = wrong[0]
         fail(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'}; max error of "
-             f"{NAMES[i]} {errors[i]:.3g}", what="the gradients against the float64 reference", budget=allowed[i],
-             call=_vjp(mask), cause=_diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected),
+             f"{NAMES[i]} {errors[i]:.3g}{_worst_row(judged, i, grads[i], expected[i])}",
+             what="the gradients against the float64 reference", budget=allowed[i],
+             call=_vjp(mask, judged), cause=_diagnose(grads, wrong, allowed, judged, expected),
              got=grads[i], expected_tensor=expected[i],
              labels=(f"the target's {NAMES[i]}", f"{NAMES[i]} of the float64 reference"))
     if case.dtype == "float64":
         _finite_differences(target, case, grad_out, grads)
+
+
+def _worst_row(judged, i, got, expected) -> str:
+    """On a long case, where dQ (i = 0) errs most: a chosen row and why, or a row whose G is zero."""
+    if judged.why is None or i != 0:
+        return ""
+    diff = (got.detach().to("cpu", torch.float64) - expected.to("cpu")).abs().nan_to_num(math.inf)  # [..., Tq, Dk]
+    row = int(diff.amax(dim=-1).reshape(-1, diff.shape[-2]).amax(dim=0).argmax())  # [Tq] -> the worst row
+    why = judged.why.get(row)
+    return f" at query row {row} ({f'chosen: {why}' if why else 'its G is zero, so its dQ must be'})"
 
 
 def _grad_out(case):
@@ -112,18 +129,18 @@ def _no_gradient_from_the_future(target, case, grad_out, allowed):
              labels=(f"the target's {'dK' if leak_k > allowed[1] else 'dV'} at keys >= {s}", "zeros"))
 
 
-def _diagnose(grads, wrong, allowed, q, k, v, mask, grad_out, expected):
+def _diagnose(grads, wrong, allowed, judged, expected):
     """The likely bug, from which gradients are off and which classic mistake reproduces them."""
     zero = [NAMES[i] for i in wrong if not grads[i].any()]
     if zero:
         return (f"no gradient reaches {' and '.join(n[1:] for n in zero)}: it is detached "
                 f"(.detach(), .data, or computed under no_grad)")
-    if mask is not None:
-        unmasked = reference_grads(q, k, v, None, grad_out)
+    if judged.mask is not None:
+        unmasked = judged.reference(mask=False)
         if all(max_error(grads[i], unmasked[i]) <= allowed[i] for i in wrong):
             return "the backward ignores the mask (weights recomputed without it?)"
     if 2 not in wrong:
-        scale = 1 / math.sqrt(q.shape[-1])
+        scale = 1 / math.sqrt(judged.q.shape[-1])
         if all(max_error(grads[i].double().cpu() * scale, expected[i]) <= allowed[i] for i in wrong):
             return "dQ and dK miss the 1/sqrt(d_k) factor of the forward (a hand-written backward?)"
         return "dV is right but dQ and dK are not: the backward through the softmax is wrong " \

@@ -335,7 +335,7 @@ def is_causal(target, case):
             candidates[alignment] = candidates["top-left"]
             continue
         ref = row_reference(q, k, v, causal=True, causal_alignment=alignment)  # no [Tq, Tk] mask
-        empty = ~reference.causal_mask(case.n_q, case.n_kv, alignment=alignment).any(dim=-1)  # [Tq] rows without keys
+        empty = reference.keyless_rows(case.n_q, case.n_kv, alignment=alignment)  # [Tq] rows without keys
         odd = _odd_empty_rows(got, v, empty, accepted)
         seen = got if odd is not None or not empty.any() else got.masked_fill(  # conventional empty rows: the
             empty.to(got.device)[:, None], 0.0)  # reference's zeros, so only the rows with keys are judged
@@ -348,7 +348,7 @@ def is_causal(target, case):
              else f"the rows without keys (bottom-right: the first {case.n_q - case.n_kv} queries) give {odd}, "
                   f"where the target's fully masked rows give {' or '.join(accepted)} (fully-masked)"
              if odd is not None and right.holds(got.masked_fill(
-                 (~reference.causal_mask(case.n_q, case.n_kv, alignment="bottom-right").any(dim=-1)).to(got.device)[:, None],
+                 reference.keyless_rows(case.n_q, case.n_kv, alignment="bottom-right").to(got.device)[:, None],
                  0.0))
              else "the causal triangle is off by one or misaligned")
     if ref.why is not None:  # a long case: the top-left triangle's own judgement, which names the row

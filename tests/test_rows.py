@@ -1,5 +1,6 @@
 """Long cases judged on chosen rows (attn_spec.checking.rows): which rows, that they are exact, the cache,
-and the gallery of kernels wrong only in some rows (tests/gallery/rows.py) caught at every rung."""
+and the gallery of kernels wrong only in some rows (tests/gallery/rows.py) caught at every rung, forward and
+backward (the gradients' upstream G given on the chosen rows only: grad_tolerance.judged_backward)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 import attn_spec
-from attn_spec.checking import chunked, rows
+from attn_spec.checking import chunked, grad_tolerance, rows
 from attn_spec.checking.tolerance import budget, max_error
 from attn_spec.errors import Failure
-from gallery.rows import ROW_BUGS, sdpa_rows
+from gallery.rows import GRAD_ROW_BUGS, ROW_BUGS, backward_correct, sdpa_rows
 
 RUNGS = ["2,2,1100,64", "2,2,4100,64"]  # about 1k and 4k rows, neither a multiple of a tile: both judged on chosen rows
 
@@ -105,3 +106,55 @@ def test_the_same_kernel_without_its_mistake_conforms_and_the_header_says_how_ro
     k = len(rows.choose(n_q, n_q))
     assert f"rows judged exactly: {k} of {n_q} in each of the 4 batch elements x heads" in str(report)
     assert json.loads(report.to_json())["rows_judged"][shape].startswith(f"rows judged exactly: {k} of {n_q}")
+
+
+def test_the_gradients_of_the_chosen_rows_are_those_of_the_whole_case():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 1500, 16, generator=gen) for _ in range(3))
+    mask = torch.ones(1500, 1500, dtype=torch.bool).tril()
+    g = torch.randn(1, 2, 1500, 16, generator=gen)
+    judged = grad_tolerance.judged_backward(q, k, v, mask, g)
+    assert judged.why == rows.choose(1500, 1500) and judged.q.shape[-2] == len(judged.why)
+    off = torch.ones(1500, dtype=torch.bool)
+    off[judged.index] = False
+    assert not judged.upstream[..., off, :].any()  # G is zero off the chosen rows
+    expected, allowed = judged.reference_and_budgets()
+    whole = grad_tolerance.reference_grads(q, k, v, mask, judged.upstream)  # O(n^2 d): the whole case, same G
+    for got, want in zip(expected, whole):
+        assert max_error(got, want) < 1e-12
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    sdpa = torch.autograd.grad(out, leaves, judged.upstream)
+    assert all(max_error(got, want) <= budget for got, want, budget in zip(sdpa, expected, allowed))
+    assert not sdpa[0][..., off, :].any()  # a row without G has no dQ
+
+
+@pytest.mark.parametrize("shape", RUNGS)
+@pytest.mark.parametrize("name", sorted(GRAD_ROW_BUGS))
+def test_backwards_wrong_in_some_rows_are_caught_at_every_rung(name, shape):
+    fn, wrong = GRAD_ROW_BUGS[name]
+    report = attn_spec.check(fn, shapes=[shape], dtypes=["float32"], devices=["cpu"], only=["gradients"],
+                             diagnose=False)
+    result = report.targets[0].properties[0]
+    assert result.status == "fail", (name, shape, result.message)
+    if wrong is not None:  # dQ is wrong: the failure names a chosen row it gets wrong, and why it was chosen
+        n_q = int(shape.split(",")[2])
+        assert _named_row(result.message) in wrong(n_q) and "(chosen: " in result.message, result.message
+
+
+@pytest.mark.parametrize("shape", RUNGS)
+def test_the_same_backward_without_its_mistake_conforms(shape):
+    report = attn_spec.check(backward_correct, shapes=[shape], dtypes=["float32"], devices=["cpu"],
+                             only=["gradients"])
+    assert report.conforms, str(report)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+def test_a_long_case_is_drawn_once_and_handed_out_as_fresh_copies(mask):
+    from attn_spec.checking.cases import _KEPT, Case
+    case = Case(batch=(1, 2), n_q=3000, n_kv=3000, d_k=8, d_v=8, values="normal", mask=mask, dtype="float32", seed=1)
+    first = case.tensors()
+    assert case in _KEPT and (mask != "causal" or _KEPT[case][3] is None)  # no [n_q, n_kv] mask is kept
+    first[0].add_(1.0)  # a target writes into what it got: the next copy is as drawn
+    for again, drawn in zip(case.tensors(), case._draw()):
+        assert (again is None and drawn is None) or (torch.equal(again, drawn) and again.stride() == drawn.stride())

@@ -6,6 +6,7 @@ it, a report can print it, and a reproduction snippet can rebuild it exactly.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +27,9 @@ def available_devices() -> list[str]:
 
 
 LARGE = 2**22  # entries per tensor beyond which a case draws its values on its own device (below)
+KEPT_PAIRS = 2**22  # query-key pairs beyond which a case's drawn Q, K, V are kept and handed out as copies
+KEPT_BYTES = 2**28  # what the kept tensors may hold in all, O(n d) (a larger case's are drawn again every time)
+_KEPT: OrderedDict = OrderedDict()  # Case -> (Q, K, V, mask), least recently used first
 
 
 def _values(gen, shape, style, magnitude, dtype=torch.float64, device="cpu"):
@@ -46,6 +50,10 @@ def _random_mask(gen, shape, device="cpu"):
     mask = torch.rand(shape, generator=gen, device=device) < 0.6  # [..., Tq, Tk]
     keep = torch.randint(0, shape[-1], shape[:-1] + (1,), generator=gen, device=device)  # [..., Tq, 1]
     return mask.scatter(-1, keep, True)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,25 @@ class Case:
         return size * math.prod(self.batch) > LARGE
 
     def tensors(self):
-        """(Q, K, V, mask) in the case's dtype and device; mask is bool or None."""
+        """(Q, K, V, mask) in the case's dtype and device; mask is bool or None. A long case (properties at
+        fixed shapes ask for its tensors again and again) is drawn once and handed out as fresh copies, with
+        the same strides: a target may write into what it gets."""
+        if math.prod(self.batch) * self.n_q * self.n_kv <= KEPT_PAIRS:
+            return self._draw()
+        kept = _KEPT.get(self)
+        if kept is None:
+            drawn = self._draw()
+            kept = drawn[:3] + ((None,) if self.mask == "causal" else drawn[3:])  # an [n_q, n_kv] mask is not kept
+            if 2 * _bytes(kept) > KEPT_BYTES:
+                return drawn
+            _KEPT[self] = kept
+            while sum(map(_bytes, _KEPT.values())) > KEPT_BYTES:
+                _KEPT.popitem(last=False)
+        _KEPT.move_to_end(self)
+        q, k, v, mask = (None if t is None else t.clone() for t in kept)
+        return q, k, v, causal_mask(self.n_q, self.n_kv, device=self.device) if self.mask == "causal" else mask
+
+    def _draw(self):
         large = self.large
         device = self.device if large else "cpu"
         draw = torch.float64 if not large or self.dtype == "float64" else torch.float32

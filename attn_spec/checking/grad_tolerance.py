@@ -38,15 +38,24 @@ so the kit's memory stays O(chunk x n_kv + n x d); the gradients and their absol
 one pass over each chunk's weights. There the same-dtype sample is torch's fused attention's
 backward (one kernel) instead of autograd through the naive forms a chunk at a time (20 to 40 times
 its price); the floor, which covers every calibrated variant four times over, is unchanged.
+
+On a case judged on chosen rows (``rows.sampled``), the upstream gradient is zero except on the rows of
+``rows.choose`` (:func:`judged_backward`). A query row whose G is zero has dS = A * (0 - 0) = 0: its dQ
+is exactly zero and it adds nothing to dK and dV. So the target's gradients, on every row and every
+key, are those of the sub-problem of the chosen rows, attention(Q[R], K, V, mask[R]) with upstream
+G[R]; its float64 closed form costs O(k n d) for k rows, not O(n^2 d), and is exact, not sampled. Its
+budget is earned on the same sub-problem, by the two naive forms and the fused attention, the floor's
+sums counted over all n_q rows.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from attn_spec import reference
-from attn_spec.checking import chunked
+from attn_spec.checking import chunked, rows
 from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error, naive_attention, seed_attention
 
 GRAD_FACTOR = 2 * FACTOR
@@ -68,14 +77,19 @@ def reference_grads(q, k, v, mask, grad_out, *, scale=None, absolute=False):
     if not chunked.fits(q, k, v, mask):
         return _chunked_reference_grads(q, k, v, mask, grad_out, scale=s, absolute=absolute)
     weights = reference.attention(q, k, v, mask, scale=s)[1]  # [..., Tq, Tk]
-    q, k, v, g = (t.detach().to("cpu", F64) for t in (q, k, v, grad_out))
+    return _closed_form(weights, *(t.detach().to("cpu", F64) for t in (q, k, v, grad_out)), s, absolute)
+
+
+def _closed_form(weights, q, k, v, g, scale, absolute):
+    """(dQ, dK, dV) from the float64 weights [..., Tq, Tk] and Q, K, V, G in float64 (``absolute``: over the
+    absolute values of the terms). On a chunk of query rows: dQ of those rows, their share of dK and dV."""
     if absolute:
         q, k, v, g = q.abs(), k.abs(), v.abs(), g.abs()
     d_weights = g @ v.transpose(-2, -1)  # [..., Tq, Dv] x [..., Dv, Tk] -> [..., Tq, Tk]
     row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [..., Tq, 1]
     d_scores = weights * (d_weights + row if absolute else d_weights - row)  # [..., Tq, Tk]
-    dq = s * (d_scores @ k)  # [..., Tq, Tk] x [..., Tk, Dk] -> [..., Tq, Dk]
-    dk = s * (d_scores.transpose(-2, -1) @ q)  # [..., Tk, Tq] x [..., Tq, Dk] -> [..., Tk, Dk]
+    dq = scale * (d_scores @ k)  # [..., Tq, Tk] x [..., Tk, Dk] -> [..., Tq, Dk]
+    dk = scale * (d_scores.transpose(-2, -1) @ q)  # [..., Tk, Tq] x [..., Tq, Dk] -> [..., Tk, Dk]
     dv = weights.transpose(-2, -1) @ g  # [..., Tk, Tq] x [..., Tq, Dv] -> [..., Tk, Dv]
     return dq, dk, dv
 
@@ -92,22 +106,22 @@ def _chunked_reference_grads(q, k, v, mask, grad_out, *, scale, absolute, both=F
         g = chunked.element(grad_out, index)[rows].detach().to(device, F64)  # [c, Dv]
         for kind in kinds:
             dq, dk, dv = out[kind]
-            qa, ka, va, ga = (t.abs() for t in (q_c, k64, v64, g)) if kind else (q_c, k64, v64, g)
-            d_weights = ga @ va.T  # [c, Dv] x [Dv, Tk] -> [c, Tk]
-            row = (weights * d_weights).sum(dim=-1, keepdim=True)  # [c, 1]
-            d_scores = weights * (d_weights + row if kind else d_weights - row)  # [c, Tk]
-            dq[index][rows] = scale * (d_scores @ ka)  # [c, Tk] x [Tk, Dk] -> [c, Dk]
-            dk[index] += scale * (d_scores.T @ qa)  # [Tk, c] x [c, Dk] -> [Tk, Dk]
-            dv[index] += weights.T @ ga  # [Tk, c] x [c, Dv] -> [Tk, Dv]
+            dq_c, dk_c, dv_c = _closed_form(weights, q_c, k64, v64, g, scale, kind)  # [c, Dk], [Tk, Dk], [Tk, Dv]
+            dq[index][rows] = dq_c
+            dk[index] += dk_c
+            dv[index] += dv_c
     return (tuple(out[False]), tuple(out[True])) if both else tuple(out[absolute])
 
 
 def reference_grads_and_terms(q, k, v, mask, grad_out):
-    """(the reference gradients, their absolute terms) as :func:`reference_grads` gives each; at long lengths
-    from one pass over the float64 weights (each chunk's softmax computed once for both)."""
+    """(the reference gradients, their absolute terms) as :func:`reference_grads` gives each, from one pass over
+    the float64 weights (each chunk's softmax computed once for both)."""
+    s = _scale(q, None)
     if chunked.fits(q, k, v, mask):
-        return reference_grads(q, k, v, mask, grad_out), reference_grads(q, k, v, mask, grad_out, absolute=True)
-    return _chunked_reference_grads(q, k, v, mask, grad_out, scale=_scale(q, None), absolute=False, both=True)
+        weights = reference.attention(q, k, v, mask, scale=s)[1]  # [..., Tq, Tk]
+        x = [t.detach().to("cpu", F64) for t in (q, k, v, grad_out)]
+        return _closed_form(weights, *x, s, False), _closed_form(weights, *x, s, True)
+    return _chunked_reference_grads(q, k, v, mask, grad_out, scale=s, absolute=False, both=True)
 
 
 def naive_grads(impl, q, k, v, mask, grad_out):
@@ -145,21 +159,72 @@ def fused_attention(q, k, v, mask=None):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def grad_budgets(q, k, v, mask, grad_out, ref_grads, terms=None) -> tuple[float, float, float]:
+def grad_budgets(q, k, v, mask, grad_out, ref_grads, terms=None, *, samples=None,
+                 n_q=None) -> tuple[float, float, float]:
     """The largest error a correct implementation may show in dQ, dK and dV on these inputs.
 
     At lengths where the scores do not fit in one chunk, the same-dtype sample is torch's fused attention
     (autograd through the two naive forms, a chunk of rows at a time, costs 20 to 40 calls of it there).
-    ``terms``: the absolute terms of the closed form, when already computed (reference_grads_and_terms)."""
+    ``terms``: the absolute terms of the closed form, when already computed (reference_grads_and_terms);
+    ``samples``: the same-dtype implementations to sample rounding with, instead of that choice; ``n_q``: the
+    case's query rows where ``q`` holds only the judged ones (the floor's sums run over the target's)."""
     naive = [0.0, 0.0, 0.0]
     long = not chunked.fits(q, k, v, mask) and (mask is None or mask.dtype == torch.bool)
-    for impl in (fused_attention,) if long else (naive_attention, seed_attention):  # one ordering can be lucky
+    for impl in samples or ((fused_attention,) if long else (naive_attention, seed_attention)):  # one can be lucky
         for i, (got, ref) in enumerate(zip(naive_grads(impl, q, k, v, mask, grad_out), ref_grads)):
             err = max_error(got, ref)
             naive[i] = max(naive[i], err if math.isfinite(err) else 0.0)  # overflowed: the floor judges
     terms = terms or reference_grads(q, k, v, mask, grad_out, absolute=True)
     score = q.detach().abs().amax().item() * k.detach().abs().amax().item() * q.shape[-1] * _scale(q, None) \
         if q.numel() and k.numel() else 0.0  # the bound on |scaled score| that tolerance.floor_unit uses
-    length = math.sqrt(q.shape[-2] + k.shape[-2] + v.shape[-1]) + min(score, 1e6)
+    length = math.sqrt((n_q or q.shape[-2]) + k.shape[-2] + v.shape[-1]) + min(score, 1e6)
     units = [eps(q.dtype) * length * (t.max().item() if t.numel() else 0.0) for t in terms]
     return tuple(GRAD_FACTOR * n + FLOOR_ULPS * u for n, u in zip(naive, units))
+
+
+@dataclass
+class Backward:
+    """The backward problem a case's gradients are judged on: the whole case, or on a long case the
+    sub-problem of its chosen query rows (``why``: {row: reason}, as ``rows.choose`` gives)."""
+    q: torch.Tensor  # [..., Tq or k, Dk]: the query rows the float64 reference is computed on
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None  # the mask of those rows
+    grad_out: torch.Tensor  # [..., Tq or k, Dv]: their upstream gradient
+    upstream: torch.Tensor  # [..., Tq, Dv]: the G the target is given (zero off the chosen rows)
+    why: dict[int, str] | None = None
+    index: torch.Tensor | None = None
+    n_q: int = 0
+
+    def expand(self, dq):
+        """dQ of the judged rows [..., k, Dk] as the whole case's [..., Tq, Dk] (zero on the other rows)."""
+        if self.why is None:
+            return dq
+        whole = torch.zeros(*dq.shape[:-2], self.n_q, dq.shape[-1], dtype=dq.dtype, device=dq.device)
+        return whole.index_copy_(-2, self.index.to(dq.device), dq)
+
+    def reference(self, *, mask=True):
+        """(dQ, dK, dV) of the float64 closed form on the whole case's shapes (``mask=False``: unmasked)."""
+        dq, dk, dv = reference_grads(self.q, self.k, self.v, self.mask if mask else None, self.grad_out)
+        return self.expand(dq), dk, dv
+
+    def reference_and_budgets(self):
+        """((dQ, dK, dV) of the float64 closed form, their budgets), on the problem judged."""
+        (dq, dk, dv), terms = reference_grads_and_terms(self.q, self.k, self.v, self.mask, self.grad_out)
+        samples = None if self.why is None else (naive_attention, seed_attention) + (
+            (fused_attention,) if self.mask is None or self.mask.dtype == torch.bool else ())
+        allowed = grad_budgets(self.q, self.k, self.v, self.mask, self.grad_out, (dq, dk, dv), terms,
+                               samples=samples, n_q=self.n_q)
+        return (self.expand(dq), dk, dv), allowed
+
+
+def judged_backward(q, k, v, mask, grad_out) -> Backward:
+    """The whole case, or on a long one (``rows.sampled``) G zeroed off the chosen rows and their sub-problem."""
+    if not rows.sampled(q, k, v, mask):
+        return Backward(q, k, v, mask, grad_out, grad_out, n_q=q.shape[-2])
+    why = rows.choose(q.shape[-2], k.shape[-2])
+    index = torch.tensor(list(why), dtype=torch.long, device=q.device)
+    g_rows = grad_out.index_select(-2, index.to(grad_out.device))  # [..., k, Dv]
+    upstream = torch.zeros_like(grad_out).index_copy_(-2, index.to(grad_out.device), g_rows)  # [..., Tq, Dv]
+    m_rows = None if mask is None else mask if mask.shape[-2] == 1 else mask.index_select(-2, index.to(mask.device))
+    return Backward(q.index_select(-2, index), k, v, m_rows, g_rows, upstream, why, index, q.shape[-2])

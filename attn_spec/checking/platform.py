@@ -17,6 +17,10 @@ for some shapes (``padded_view(Q) @ padded_view(K).T`` gives NaN), and a correct
 blame. The control is not specific to that matmul: any defect of the formula on the platform is
 caught where failures are judged, for every property and convention.
 
+A long call (its float64 scores do not fit in one chunk) is judged as the properties judge it: on the query
+rows of ``checking.rows.choose``, copied out of the call's inputs (``_on_chosen_rows``), so the control of a
+failure at 64k keys costs O(k n d), not O(n^2 d) in float64 memory and time.
+
 The control is silent where it cannot judge: outside the dtype's range (a score that overflows
 float16 is ordinary arithmetic, not a defect), in rows without an allowed key, and where a formula
 of its own cannot take the call (the failure then stands).
@@ -31,7 +35,7 @@ import torch
 
 from attn_spec import reference
 from attn_spec.reference import fold_causal
-from attn_spec.checking import chunked, grad_tolerance, tolerance
+from attn_spec.checking import chunked, grad_tolerance, rows, tolerance
 from attn_spec.checking.platform_snippet import snippet
 from attn_spec.errors import Failure, PlatformDefect
 
@@ -98,12 +102,39 @@ def control(calls):
         if kind not in ("attend", "multihead", "vjp"):
             continue
         try:
-            found = _control_call(kind, x)
+            found = _control_call(*_on_chosen_rows(kind, x))
         except (RuntimeError, ValueError, IndexError, TypeError):  # a formula of the kit's cannot take this call
             continue
         if found is not None:
             return (kind, x, *found)
     return None
+
+
+def _on_chosen_rows(kind: str, x: dict):
+    """(kind, inputs) as the control judges a call. A long call (its float64 scores do not fit in one chunk) is
+    judged as the properties judge it, on the query rows of ``rows.choose`` (copies of them, the causal pattern
+    folded into their mask rows, O(k n d) instead of O(n^2 d) in float64); a backward whose G reaches other rows
+    is judged on its forward. A short call as it is, on exactly the inputs the target got."""
+    q, k, v, mask = x.get("q"), x.get("k"), x.get("v"), x.get("mask")
+    if kind == "multihead" or chunked.fits(q, k, v, mask):
+        return kind, x
+    n_q, n_kv = q.shape[-2], k.shape[-2]
+    index = torch.tensor(list(rows.choose(n_q, n_kv)), dtype=torch.long, device=q.device)
+    sub = None if mask is None else mask if mask.shape[-2] == 1 else mask.index_select(-2, index.to(mask.device))
+    if x.get("is_causal") or x.get("window") is not None:  # top-left, as fold_causal writes it
+        i, j = index[:, None], torch.arange(n_kv, device=q.device)[None, :]  # [k, 1], [1, Tk]
+        allowed = (j <= i) if x.get("window") is None else (j <= i) & (j > i - x["window"])  # [k, Tk]
+        sub = allowed if sub is None else allowed & sub.to(q.device) if sub.dtype == torch.bool else \
+            sub.to(q.device).masked_fill(~allowed, -math.inf)
+    judged = dict(x, q=q.index_select(-2, index), mask=sub, is_causal=False, window=None)
+    if kind == "vjp":
+        g = x["grad_out"]
+        elsewhere = torch.ones(n_q, dtype=torch.bool, device=g.device)
+        elsewhere[index.to(g.device)] = False
+        if g[..., elsewhere, :].any():
+            return "attend", judged
+        judged["grad_out"] = g.index_select(-2, index.to(g.device))
+    return kind, judged
 
 
 def _control_call(kind: str, x: dict):

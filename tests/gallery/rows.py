@@ -7,6 +7,11 @@ checked at fixed shapes by tests/test_rows.py, where each must fail ``matches-re
 rung, and ``SDPA_ROWS``, the same call without a mistake, must pass.
 
 ``ROW_BUGS``: name -> (attention, the rows it gets wrong, as a function of n_q).
+
+``GRAD_ROW_BUGS``: the same for the backward: SDPA's forward, and SDPA's backward with one mistake confined
+to some rows or keys (the tail tile's dQ, the last key tile's dK and dV, the query rows past 2^10, one
+head, one batch element), each of which ``gradients`` must catch at every rung; ``backward_correct`` is the
+same custom autograd.Function without a mistake.
 """
 from __future__ import annotations
 
@@ -84,4 +89,82 @@ ROW_BUGS = {
     "wrong_in_one_head": (wrong_in_one_head, lambda n: range(n)),
     "wrong_in_one_batch_element": (wrong_in_one_batch_element, lambda n: range(n)),
     "wrong_past_2_10": (wrong_past_2_10, lambda n: range(1024, n)),
+}
+
+
+class _SpoiltBackward(torch.autograd.Function):
+    """SDPA forward; its backward is SDPA's own, then ``spoil(dq, dk, dv, q, g)`` breaks some rows of it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, spoil):
+        ctx.save_for_backward(q, k, v)
+        ctx.mask, ctx.spoil = mask, spoil
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=ctx.mask)
+            dq, dk, dv = torch.autograd.grad(out, leaves, g)
+        return (*ctx.spoil(dq, dk, dv, leaves, ctx.mask, g), None, None)
+
+
+def _with_backward(spoil, doc):
+    def attention(Q, K, V, mask=None):
+        return _SpoiltBackward.apply(Q, K, V, mask, spoil)
+    attention.__doc__ = doc
+    return attention
+
+
+def _tail_dq_unscaled(dq, dk, dv, leaves, mask, g):
+    start = dq.shape[-2] // TILE * TILE
+    dq[..., start:, :] *= math.sqrt(dq.shape[-1])
+    return dq, dk, dv
+
+
+def _last_key_tile_dropped(dq, dk, dv, leaves, mask, g):
+    start = dk.shape[-2] // TILE * TILE
+    dk[..., start:, :] = 0
+    dv[..., start:, :] = 0
+    return dq, dk, dv
+
+
+def _rows_past_2_10_lost(dq, dk, dv, leaves, mask, g):
+    early = g.clone()
+    early[..., 1024:, :] = 0  # dK and dV summed over the first 2^10 query rows only
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+        _, dk, dv = torch.autograd.grad(out, leaves, early)
+    return dq, dk, dv
+
+
+def _one_head_dv_doubled(dq, dk, dv, leaves, mask, g):
+    dv[..., -1, :, :] *= 2
+    return dq, dk, dv
+
+
+def _one_batch_element_dq_unscaled(dq, dk, dv, leaves, mask, g):
+    dq[-1] *= math.sqrt(dq.shape[-1])
+    return dq, dk, dv
+
+
+backward_correct = _with_backward(lambda dq, dk, dv, *_: (dq, dk, dv),
+                                  "SDPA through a custom autograd.Function whose backward is SDPA's own: conforms.")
+
+# name -> (attention, the query rows whose dQ it gets wrong as a function of n_q, or None where dK or dV are wrong)
+GRAD_ROW_BUGS = {
+    "backward_tail_tile_dq_unscaled": (_with_backward(_tail_dq_unscaled, "dQ of the last partial tile of 64 query "
+                                                      "rows misses the 1/sqrt(d) factor"),
+                                       lambda n: range(n // TILE * TILE, n)),
+    "backward_last_key_tile_dropped": (_with_backward(_last_key_tile_dropped, "dK and dV of the last partial key "
+                                                      "tile are never written (zero)"), None),
+    "backward_rows_past_2_10_lost": (_with_backward(_rows_past_2_10_lost, "dK and dV sum over the first 2^10 query "
+                                                    "rows only (a 10-bit row counter in the backward's loop)"), None),
+    "backward_one_head_dv_doubled": (_with_backward(_one_head_dv_doubled, "the last head's dV is accumulated twice"),
+                                     None),
+    "backward_one_batch_element_dq_unscaled": (_with_backward(_one_batch_element_dq_unscaled, "the last batch "
+                                                              "element's dQ misses the 1/sqrt(d) factor"),
+                                               lambda n: range(n)),
 }
