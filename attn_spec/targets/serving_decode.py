@@ -151,7 +151,7 @@ class DecodeTarget(Target):
                              "k": k, "v": v, "cache_leftpad": cache_leftpad, "block_table": block_table,
                              "causal": causal, "scale": scale, "num_splits": num_splits,
                              "out": out.detach().clone(), "k_after": k_cache.detach().clone(),
-                             "v_after": v_cache.detach().clone()})
+                             "v_after": v_cache.detach().clone(), "lse": natural_log(found_lse, self.probed)})
         return (out, found_lse) if lse else out
 
     def behaviour(self) -> dict:
@@ -172,6 +172,14 @@ class DecodeTarget(Target):
         if "block_table" in self.accepts:
             return "yes (block_table [B, max_blocks] over caches [num_blocks, page, H_kv, D])"
         return "no (it takes no block_table)"
+
+
+def natural_log(lse, probed):
+    """A returned LSE as natural logs, in its own dtype (base 2 where the header's probe found it), for the record a
+    replay keeps; None where no LSE tensor came back."""
+    if not isinstance(lse, torch.Tensor):
+        return None
+    return lse.detach() * math.log(2) if (probed or {}).get("lse-base") == "2" else lse.detach().clone()
 
 
 def _safely(probe, target) -> str:
