@@ -20,7 +20,7 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import lse_budget
 from attn_spec.errors import Uninformative, Unsupported
 from attn_spec.properties.decode import decode_inputs
-from attn_spec.properties.varlen import _call_text, option_sets, packed, packed_inputs, run
+from attn_spec.properties.varlen import AT_SCALE, _call_text, option_sets, packed, packed_inputs, run
 from attn_spec.targets.serving_decode import decode_reference
 from attn_spec.targets.serving_varlen import segment_mask, varlen_reference
 
@@ -103,7 +103,7 @@ def _why(target, got, ref) -> str:
       statement="the LSE a kernel returns is logsumexp of the scaled scores over the keys each query may attend, in "
                 "the base the header found (e or 2), one value per batch element, head and query ([B, H, S_new] in "
                 "decode, [H, T_q] in varlen)",
-      conventions=("decode", "varlen"), cases=LSE_CASES, examples=EXAMPLES,
+      conventions=("decode", "varlen"), cases=LSE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       after=("decode-equals-full-causal", "varlen-equals-per-sequence"),
       lesson=Lesson(unicode="lse_i = log Σ_{j allowed} exp(scale · q_i · k_j)   (base 2: / ln 2)",
                     latex=r"\mathrm{lse}_i = \log \sum_{j \in A_i} e^{\mathrm{scale}\, q_i \cdot k_j}",

@@ -224,8 +224,16 @@ def lse_base(target) -> str:
     _, lse = target.decode(q, k_cache, v_cache, seqlens, causal=True, lse=True)
     if lse is None:
         return "not returned"
-    value = lse.to(F64).flatten()[0].item()
-    return {round(math.log(3), 6): "e", round(math.log2(3), 6): "2"}.get(round(value, 6), f"other ({value:.4g})")
+    return which_base(lse.to(F64).flatten()[0].item())
+
+
+def which_base(value: float) -> str:
+    """The base of an LSE read as ``value`` for 3 keys of equal score: "e" (ln 3) or "2" (log2 3), within float32's
+    rounding (a float32 log2 3 and a float64 one differ in the 7th digit), else "other (value)"."""
+    for base, exact in (("e", math.log(3)), ("2", math.log2(3))):
+        if abs(value - exact) <= 1e-5:
+            return base
+    return f"other ({value:.4g})"
 
 
 def lse_empty_row(target) -> str:

@@ -30,7 +30,7 @@ from attn_spec.failures import fail
 from attn_spec.errors import Unsupported
 from attn_spec.targets.base import Target, _call, parameter_names
 from attn_spec.targets.forked import call_in_child
-from attn_spec.targets.serving_decode import _safely, natural_log
+from attn_spec.targets.serving_decode import _safely, natural_log, which_base
 from attn_spec.vocabulary import Traits
 
 F64 = torch.float64
@@ -251,8 +251,7 @@ def lse_base(target) -> str:
     if not target.takes("lse"):
         return "not returned"
     _, lse = target.varlen(*_packed([(1, 3)]), lse=True)
-    value = lse.to(F64).flatten()[0].item()
-    return {round(math.log(3), 6): "e", round(math.log2(3), 6): "2"}.get(round(value, 6), f"other ({value:.4g})")
+    return which_base(lse.to(F64).flatten()[0].item())
 
 
 def lse_layout(target) -> str:
