@@ -114,9 +114,10 @@ def _why(target, got, ref) -> str:
                           "a row with no key must have the header's probed empty-row value.",
                     example="merge"))
 def lse_equals_logsumexp(target, case):
-    """lse_i = log sum_{j in A_i} exp(s_ij) with s_ij = scale * q_i . k_j and A_i the keys query i may attend (its
-    element's cache rows up to cache_seqlens + S_new, causal bottom-right; its own segment, causal or windowed per
-    sequence), in base e (base 2: lse / ln 2); a row with no key: -inf, or the value the header's probe found.
+    """The returned LSE of query i is lse_i = log sum_{j in A_i} exp(s_ij), s_ij = scale * q_i . k_j, A_i the keys
+    query i may attend (its element's cache rows up to cache_seqlens + S_new, causal bottom-right; its own segment,
+    causal or windowed per sequence), in base e (base 2: lse / ln 2); a row with no key: -inf, or the value the
+    header's probe found.
 
     Why: the LSE is what the kernel hands on: merging split-KV chunks, cascade attention over a shared prefix and
     ring attention combine partial outputs with weights exp(lse_i - lse), and flash-attention's backward recomputes
@@ -138,7 +139,7 @@ def decode_lse(target, case):
     the kernel survives zero keys); appended, not causal, the scores scaled up to LARGE."""
     case = replace(case, n_q=max(case.n_q, 1), n_kv=max(case.n_kv, 1))  # a packed case's sums may be 0
     q, k_full, v_full, lengths, _ = decode_inputs(case)  # [B, S, H, D], [B, n + 2, H, D], [B]
-    H_kv = kv_heads(q.shape[2], case.seed)
+    H_kv = k_full.shape[2] if k_full.shape[2] != q.shape[2] else kv_heads(q.shape[2], case.seed)
     k_full, v_full = k_full[:, :, :H_kv].contiguous(), v_full[:, :, :H_kv].contiguous()  # [B, n + 2, H_kv, D]
     S, group = q.shape[1], q.shape[2] // H_kv
     decode_call(target, q, k_full, v_full, lengths - S, appended=True, causal=True)
