@@ -45,7 +45,7 @@ ORDER = ("rows-sum-to-one", "causal-mask", "permutation-equivariance", "scale-sq
          "decode-equals-full-causal", "cache-outside-invariance", "append-writes-exactly", "merge-equals-union",
          "merge-empty-neutral", "paged-equals-contiguous", "paged-outside-invariance", "paged-append-writes-exactly",
          "paged-capacity-contract", "chunked-prefill-equals-one-shot", "split-kv-agree",
-         "varlen-equals-per-sequence", "segment-isolation", "varlen-degenerate-lengths")
+         "varlen-equals-per-sequence", "segment-isolation", "varlen-degenerate-lengths", "lse-equals-logsumexp")
 
 
 def _register_the_catalog() -> list[str]:

@@ -133,7 +133,7 @@ def test_the_matrix_check_catches_a_formatter_used_elsewhere():
     assert _formats_a_matrix("from attn_spec.report import render\nrender(result, 'text')") == []
 
 
-SERVING = ("decode", "merge", "varlen", "paged", "prefill", "splits")  # the serving family's modules, until they are grouped into one
+SERVING = ("decode", "merge", "varlen", "paged", "prefill", "splits", "lse")  # the serving family's modules, until they are grouped into one
 
 
 def test_each_property_lives_in_the_module_of_its_family():

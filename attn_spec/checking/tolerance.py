@@ -136,6 +136,44 @@ def budget(q, k, v, mask, ref_out, *, scale=None, causal=False, causal_alignment
     return FACTOR * naive + FLOOR_ULPS * floor_unit(q, k, v, scale=scale)
 
 
+def same_dtype_lse(q, k, mask=None, *, scale=None, first_scale=True, softcap=None):
+    """logsumexp of the scaled scores [..., Tq] in the inputs' dtype and device, the row max subtracted first (as any
+    kernel does): the one formula an LSE budget samples ordinary rounding with. q [..., Tq, D], k [..., Tk, D], mask
+    bool [..., Tq, Tk]; ``first_scale``, ``softcap``: as in same_dtype_attention; -inf for a row with no key."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q * scale) @ k.transpose(-2, -1) if first_scale else q @ k.transpose(-2, -1) * scale  # [..., Tq, Tk]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)  # [..., Tq, 1]
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # a row with no key: exp(-inf) = 0
+    return (top + torch.log(torch.exp(scores - top).sum(dim=-1, keepdim=True))).squeeze(-1)  # [..., Tq]
+
+
+def lse_budget(q, k, mask, ref_lse, lse_dtype, *, scale=None, softcap=None) -> float:
+    """The largest error a correct kernel's log-sum-exp may show on these inputs (every row with a key to attend):
+
+        FACTOR * |naive - ref64|_max  +  FLOOR_ULPS * (eps(dtype) (max|scaled score| + sqrt(n_kv)) + eps(lse) max|lse|)
+
+    where naive is same_dtype_lse in both orders, each rounded to ``lse_dtype`` (the dtype the kernel returns its
+    LSE in: float32 for half-precision inputs in flash-attn, and a float64 input's LSE may come back in float32).
+    The floor: a score s carries eps |s| of rounding, which d lse / d s_j = softmax_j passes on at most whole; the
+    sum of n_kv exponentials rounds by about eps sqrt(n_kv); the LSE's own rounding is eps(lse) |lse|."""
+    errors = [max_error(same_dtype_lse(q, k, mask, scale=scale, first_scale=first, softcap=softcap).to(lse_dtype),
+                        ref_lse) for first in (True, False)]
+    naive = max((e for e in errors if math.isfinite(e)), default=0.0)
+    if not q.numel() or not k.shape[-2]:
+        return FACTOR * naive + FLOOR_ULPS * eps(lse_dtype)
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
+    scores = (q.detach().double() @ k.detach().double().transpose(-2, -1) * factor).abs()  # [..., Tq, Tk]
+    score = scores.masked_fill(~mask, 0.0).max().item() if mask is not None else scores.max().item()
+    score = min(score, softcap) if softcap else min(score, 1e6)
+    top = ref_lse[torch.isfinite(ref_lse)].abs().max().item() if torch.isfinite(ref_lse).any() else 0.0
+    unit = eps(q.dtype) * (score + math.sqrt(k.shape[-2])) + eps(lse_dtype) * max(1.0, top)
+    return FACTOR * naive + FLOOR_ULPS * unit
+
+
 def naive_multihead(x_q, x_kv, weights, n_heads, mask=None):
     """The seed's multi-head module, in the inputs' dtype: the noise floor for multi-head outputs."""
     d_model = x_q.shape[-1]

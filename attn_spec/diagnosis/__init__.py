@@ -2,7 +2,7 @@
 
 - :mod:`~attn_spec.diagnosis.model`: the ``Mistake`` record, ``@mistake`` and the building blocks;
 - :mod:`~attn_spec.diagnosis.mistakes`, ``mistakes_masks``, ``mistakes_code``, ``mistakes_ecosystem``,
-  ``mistakes_module``, ``mistakes_dropout``, ``mistakes_alibi``, ``serving``, ``serving_paged``: the catalog
+  ``mistakes_module``, ``mistakes_dropout``, ``mistakes_alibi``, ``serving``, ``serving_paged``, ``serving_lse``: the catalog
   (``MISTAKES``, one record type for every level, serving kernels' included);
 - :mod:`~attn_spec.targets.record` (beside the calls it records): the calls a replayed failure made;
 - :mod:`~attn_spec.diagnosis.predict`: what a model does on one call;
@@ -23,7 +23,7 @@
 # kernels (contiguous caches before paged ones: the first model that fits is named).
 from attn_spec.diagnosis import mistakes, mistakes_masks, mistakes_code  # noqa: F401,I001
 from attn_spec.diagnosis import mistakes_ecosystem, mistakes_module, mistakes_dropout  # noqa: F401,I001
-from attn_spec.diagnosis import mistakes_alibi, serving, serving_paged  # noqa: F401,I001
+from attn_spec.diagnosis import mistakes_alibi, serving, serving_paged, serving_lse  # noqa: F401,I001
 from attn_spec.diagnosis.model import MISTAKES, Mistake
 
 __all__ = ["MISTAKES", "Mistake"]

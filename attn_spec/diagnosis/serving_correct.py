@@ -1,6 +1,6 @@
 """The correct serving kernels on one recorded call: the float64 references every serving mistake model departs
 from (attn_spec.diagnosis.serving, serving_paged), each returning the outputs a call's record names (decode: out,
-k_after, v_after; merge: v, s; varlen: out)."""
+k_after, v_after, and the LSE where the call returned one; merge: v, s; varlen: out, lse)."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +11,8 @@ from attn_spec.targets.serving_varlen import varlen_reference
 
 
 def decoded(out, lse, k_after, v_after) -> dict:
-    """decode_reference's four results as a decode call's outputs (the LSE is not recorded)."""
-    return {"out": out, "k_after": k_after, "v_after": v_after}
+    """decode_reference's four results as a decode call's outputs (the LSE compared only where a call returned one)."""
+    return {"out": out, "k_after": k_after, "v_after": v_after, "lse": lse}
 
 
 def correct_decode(c, **change) -> dict:
@@ -37,9 +37,9 @@ def correct_merge(c) -> dict:
 def correct_varlen(c, **change) -> dict:
     """varlen_reference on one recorded call, with ``change`` (cu_q, cu_k, alignment, key_shift) made to it."""
     args = {"cu_q": c["cu_q"], "cu_k": c["cu_k"], **change}
-    out, _ = varlen_reference(c["q"], c["k"], c["v"], args.pop("cu_q"), args.pop("cu_k"), causal=c["causal"],
-                              window=c["window"], scale=c["scale"], softcap=c["softcap"], **args)
-    return {"out": out}
+    out, lse = varlen_reference(c["q"], c["k"], c["v"], args.pop("cu_q"), args.pop("cu_k"), causal=c["causal"],
+                                window=c["window"], scale=c["scale"], softcap=c["softcap"], **args)
+    return {"out": out, "lse": lse}
 
 
 CORRECT = {"decode": correct_decode, "merge": correct_merge, "varlen": correct_varlen}

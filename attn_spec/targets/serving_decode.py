@@ -151,7 +151,7 @@ class DecodeTarget(Target):
                              "k": k, "v": v, "cache_leftpad": cache_leftpad, "block_table": block_table,
                              "causal": causal, "scale": scale, "num_splits": num_splits,
                              "out": out.detach().clone(), "k_after": k_cache.detach().clone(),
-                             "v_after": v_cache.detach().clone()})
+                             "v_after": v_cache.detach().clone(), "lse": natural_log(found_lse, self.probed)})
         return (out, found_lse) if lse else out
 
     def behaviour(self) -> dict:
@@ -172,6 +172,14 @@ class DecodeTarget(Target):
         if "block_table" in self.accepts:
             return "yes (block_table [B, max_blocks] over caches [num_blocks, page, H_kv, D])"
         return "no (it takes no block_table)"
+
+
+def natural_log(lse, probed):
+    """A returned LSE as natural logs, in its own dtype (base 2 where the header's probe found it), for the record a
+    replay keeps; None where no LSE tensor came back."""
+    if not isinstance(lse, torch.Tensor):
+        return None
+    return lse.detach() * math.log(2) if (probed or {}).get("lse-base") == "2" else lse.detach().clone()
 
 
 def _safely(probe, target) -> str:
@@ -216,8 +224,16 @@ def lse_base(target) -> str:
     _, lse = target.decode(q, k_cache, v_cache, seqlens, causal=True, lse=True)
     if lse is None:
         return "not returned"
-    value = lse.to(F64).flatten()[0].item()
-    return {round(math.log(3), 6): "e", round(math.log2(3), 6): "2"}.get(round(value, 6), f"other ({value:.4g})")
+    return which_base(lse.to(F64).flatten()[0].item())
+
+
+def which_base(value: float) -> str:
+    """The base of an LSE read as ``value`` for 3 keys of equal score: "e" (ln 3) or "2" (log2 3), within float32's
+    rounding (a float32 log2 3 and a float64 one differ in the 7th digit), else "other (value)"."""
+    for base, exact in (("e", math.log(3)), ("2", math.log2(3))):
+        if abs(value - exact) <= 1e-5:
+            return base
+    return f"other ({value:.4g})"
 
 
 def lse_empty_row(target) -> str:

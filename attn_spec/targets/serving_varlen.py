@@ -30,7 +30,7 @@ from attn_spec.failures import fail
 from attn_spec.errors import Unsupported
 from attn_spec.targets.base import Target, _call, parameter_names
 from attn_spec.targets.forked import call_in_child
-from attn_spec.targets.serving_decode import _safely
+from attn_spec.targets.serving_decode import _safely, natural_log, which_base
 from attn_spec.vocabulary import Traits
 
 F64 = torch.float64
@@ -174,11 +174,13 @@ class VarlenTarget(Target):
             fail(f"{list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}", what="the output",
                  expected=f"a tensor of shape {list(expected)}: [T_q, H, Dv]", call=call,
                  cause="a varlen kernel returns out [T_q, H, Dv] (and the LSE when asked for it)")
+        found = self._lse_h_t(found, q.shape[1], q.shape[0], call) if lse else None  # [H, T_q]
         if self.log is not None:
             self.log.append({"q": q.detach().clone(), "k": k.detach().clone(), "v": v.detach().clone(),
                              "cu_q": cu_q.tolist(), "cu_k": cu_k.tolist(), "causal": causal, "window": window,
-                             "scale": scale, "softcap": softcap, "out": out.detach().clone()})
-        return (out, self._lse_h_t(found, q.shape[1], q.shape[0], call)) if lse else out
+                             "scale": scale, "softcap": softcap, "out": out.detach().clone(),
+                             "lse": natural_log(found, self.probed)})
+        return (out, found) if lse else out
 
     def _lse_h_t(self, found, H, T, call):
         """The returned LSE as [H, T_q]: flash-attn's layout, or [T_q, H] transposed (the probed layout decides
@@ -249,8 +251,7 @@ def lse_base(target) -> str:
     if not target.takes("lse"):
         return "not returned"
     _, lse = target.varlen(*_packed([(1, 3)]), lse=True)
-    value = lse.to(F64).flatten()[0].item()
-    return {round(math.log(3), 6): "e", round(math.log2(3), 6): "2"}.get(round(value, 6), f"other ({value:.4g})")
+    return which_base(lse.to(F64).flatten()[0].item())
 
 
 def lse_layout(target) -> str:

@@ -75,6 +75,15 @@ def dropout_on_output(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     return F.dropout(_weights(query, key, attn_mask, is_causal, scale) @ value, dropout_p, training=dropout_p > 0)
 
 
+@buggy("dropout-mask", mistake="dropout-masked-keys", bug="the dropout path takes no mask: with dropout_p > 0 "
+       "attn_mask and is_causal are dropped, masked keys get weight", convention="sdpa")
+def dropout_masked_keys(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    if not dropout_p:
+        return _weights(query, key, attn_mask, is_causal, scale) @ value
+    w = _weights(query, key, None, False, scale)  # the training path: a fused dropout kernel with no mask argument
+    return F.dropout(w, dropout_p) @ value
+
+
 _FIXED = torch.Generator()
 
 

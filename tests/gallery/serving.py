@@ -228,3 +228,93 @@ def split_kv_unweighted_merge(q, k_cache, v_cache, k=None, v=None, cache_seqlens
                  for c in range(0, L, size)]  # [H, S, D] each
         out[b] = (sum(parts) / len(parts)).transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------- the returned LSE (lse-equals-logsumexp)
+
+def _lse_decode(q, k_cache, v_cache, k, v, cache_seqlens, causal, return_softmax_lse, lse_of):
+    """A decode kernel with grouped K/V heads that returns its LSE [B, H, S], right but for ``lse_of(raw, scale,
+    allowed)``, which turns a row's unscaled scores q . k [H, S, L] and its allowed keys [S, L] into the LSE."""
+    B, S, H, D = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, lse = torch.zeros_like(q), torch.empty(B, H, S, dtype=torch.float32)
+    for b in range(B):
+        start = int(cache_seqlens[b])
+        if k is not None:
+            k_cache[b, start:start + S], v_cache[b, start:start + S] = k[b], v[b]
+        L = start + (S if k is not None else 0)
+        keys, values = (t[b, :L].repeat_interleave(H // t.shape[2], 1).transpose(0, 1).to(acc)
+                        for t in (k_cache, v_cache))  # [H, L, D]
+        raw = q[b].transpose(0, 1).to(acc) @ keys.transpose(1, 2)  # [H, S, L]
+        allowed = torch.arange(L)[None, :] <= torch.arange(S)[:, None] + (L - S) if causal else \
+            torch.ones(S, L, dtype=torch.bool)  # [S, L], bottom-right
+        weights = torch.softmax((raw / math.sqrt(D)).masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
+        out[b] = (weights @ values).transpose(0, 1).to(q.dtype)  # [S, H, D]
+        lse[b] = lse_of(raw, 1 / math.sqrt(D), allowed)  # [H, S]
+    return (out, lse) if return_softmax_lse else out
+
+
+def _masked_lse(raw, scale, allowed):
+    return torch.logsumexp((raw * scale).masked_fill(~allowed, -math.inf), dim=-1)
+
+
+@buggy("lse-equals-logsumexp", bug="the LSE is taken over the unscaled scores q . k", mistake="lse-unscaled",
+       convention="decode")
+def decode_lse_unscaled(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
+                        return_softmax_lse=False):
+    return _lse_decode(q, k_cache, v_cache, k, v, cache_seqlens, causal, return_softmax_lse,
+                       lambda raw, scale, allowed: _masked_lse(raw, 1.0, allowed))
+
+
+@buggy("lse-equals-logsumexp", bug="the LSE is taken before the causal mask", mistake="lse-mask-ignored",
+       convention="decode")
+def decode_lse_before_mask(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
+                           return_softmax_lse=False):
+    return _lse_decode(q, k_cache, v_cache, k, v, cache_seqlens, causal, return_softmax_lse,
+                       lambda raw, scale, allowed: _masked_lse(raw, scale, torch.ones_like(allowed)))
+
+
+@buggy("lse-equals-logsumexp", bug="the LSE is log(sum(exp(s))), no max subtracted: inf past a score of 88.7",
+       mistake="lse-without-max", convention="decode")
+def decode_lse_without_max(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
+                           return_softmax_lse=False):
+    return _lse_decode(q, k_cache, v_cache, k, v, cache_seqlens, causal, return_softmax_lse,
+                       lambda raw, scale, allowed: torch.log(torch.exp(raw * scale).masked_fill(~allowed, 0.0).sum(-1)))
+
+
+@buggy("lse-equals-logsumexp", bug="the LSE is returned [B, S_new, H], laid out like q", mistake="lse-layout-transposed",
+       convention="decode")
+def decode_lse_transposed(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
+                          return_softmax_lse=False):
+    found = _lse_decode(q, k_cache, v_cache, k, v, cache_seqlens, causal, return_softmax_lse, _masked_lse)
+    return (found[0], found[1].transpose(1, 2)) if return_softmax_lse else found
+
+
+def _lse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+                return_attn_probs, *, masked_lse=True, reshaped=False):
+    """The reference varlen kernel, its LSE [H, T_q] taken over every key of the sequence (``masked_lse=False``) or
+    computed [T_q, H] and reshaped to [H, T_q] (``reshaped``)."""
+    kernel = load_target(f"{KERNELS}:varlen_kernel")
+    out, lse, _ = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                         window_size=window_size, return_attn_probs=True)
+    if not masked_lse:  # the LSE of a second, unmasked pass over each sequence
+        _, lse, _ = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_attn_probs=True)
+    if reshaped:
+        lse = lse.t().contiguous().reshape(lse.shape)  # [T_q, H] memory read as [H, T_q]
+    return (out, lse, None) if return_attn_probs else out
+
+
+@buggy("lse-equals-logsumexp", bug="the LSE is taken over every key of the sequence, before causal and the window",
+       mistake="varlen-lse-mask-ignored", convention="varlen")
+def varlen_lse_before_mask(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           window_size=(-1, -1), return_attn_probs=False):
+    return _lse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+                       return_attn_probs, masked_lse=False)
+
+
+@buggy("lse-equals-logsumexp", bug="the LSE is computed [T_q, H] and reshaped to [H, T_q], not transposed",
+       mistake="varlen-lse-reshaped", convention="varlen")
+def varlen_lse_reshaped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                        window_size=(-1, -1), return_attn_probs=False):
+    return _lse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+                       return_attn_probs, reshaped=True)
