@@ -100,6 +100,19 @@ def test_merge_kernels_are_detected_and_their_base_probed():
         assert target.convention == "merge" and target.behaviour()["lse-base"] == base
 
 
+def merge_state_float32(v_a, s_a, v_b, s_b):
+    """A correct merge that works in float32 whatever it is given: its weights differ from float64's in the 8th digit."""
+    s_a, s_b, v_a, v_b = (t.float() for t in (s_a, s_b, v_a, v_b))
+    s = torch.logaddexp(s_a, s_b)  # [T, H]
+    return (torch.exp(s_a - s)[..., None] * v_a + torch.exp(s_b - s)[..., None] * v_b), s
+
+
+def test_the_merge_base_is_read_within_float32_rounding():
+    from attn_spec.targets.serving_merge import lse_base
+
+    assert lse_base(make_target(merge_state_float32)) == "e"
+
+
 def test_merge_reference_equals_attention_over_the_union():
     from attn_spec.checking.cases import Case
     from attn_spec.properties.merge import partial_states

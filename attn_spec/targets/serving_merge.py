@@ -101,11 +101,15 @@ def _probe(probe, target) -> str:
 
 
 def lse_base(target) -> str:
-    """(1, 0) merged with (0, 1): the first weight is 1 / (1 + e) in base e, 1 / 3 in base 2."""
+    """(1, 0) merged with (0, 1): the first weight is 1 / (1 + e) in base e, 1 / 3 in base 2 (within float32's
+    rounding: a kernel may merge in float32 whatever it is given)."""
     one = torch.ones(1, 1, 1, dtype=F64)
     v, _ = target.merge(one, torch.zeros(1, 1, dtype=F64), 0 * one, torch.ones(1, 1, dtype=F64))
-    weight = round(v.to(F64).item(), 6)
-    return {round(1 / (1 + math.e), 6): "e", round(1 / 3, 6): "2"}.get(weight, f"other (weight {weight:.4g})")
+    weight = v.to(F64).item()
+    for base, exact in (("e", 1 / (1 + math.e)), ("2", 1 / 3)):
+        if abs(weight - exact) <= 1e-5:
+            return base
+    return f"other (weight {weight:.4g})"
 
 
 def empty_merge(target) -> str:
