@@ -25,7 +25,7 @@ _SCALE_EXAMPLES = [MhaCase(n_q=1, n_kv=2, d_model=16, n_heads=2), Case(n_q=1, n_
 @prop("scale-sqrt-dk", family="scale",
       statement="scores are scaled by exactly 1/sqrt(d_k)",
       cases={"dtypes": ("float64", "float32")}, multihead="module", examples=_SCALE_EXAMPLES,
-      at_scale={"masks": ("none",)},
+      at_scale={"masks": ("none",)}, projections="identity",
       lesson=Lesson(unicode="scores = Q Kᵀ · 1/√d_k",
                     latex=r"S = \frac{QK^\top}{\sqrt{d_k}}",
                     check="One query e₀ and two keys 0 and √d_k·e₀: raw score gap √d_k, so the weight on the second key "

@@ -142,9 +142,11 @@ def test_a_module_report_says_which_properties_ran_with_heads():
     """Issue 23.5: a reader of a module's report must know which checks drew heads and weights (so "the first
     batch element" cannot be read as "the first head")."""
     report = attn_spec.check(f"{ROOT / 'examples' / 'seed_attention.py'}:MultiHeadAttention", profile="quick", seed=0,
-                             only=["rows-sum-to-one", "head-concat-equivalence"])
+                             only=["rows-sum-to-one", "scale-sqrt-dk", "head-concat-equivalence"])
     (line,) = [n for n in report.targets[0].notes if n.startswith("heads: ")]
     assert "head-concat-equivalence drew 1 to 4 heads" in line and "rows-sum-to-one ran one head" in line
+    # scale-sqrt-dk draws heads but reads them through identity projections: not among the random-weight ones
+    assert "scale-sqrt-dk drew the heads and read each through projections that select" in line
     assert line in str(report)
     plain = attn_spec.check(f"{ROOT / 'examples' / 'seed_attention.py'}:attention", profile="quick", seed=0,
                             only=["rows-sum-to-one"])

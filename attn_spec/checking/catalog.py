@@ -53,6 +53,9 @@ class Property:
     # At fixed shapes (--shapes, the scale profile; see attn_spec.checking.shapes): the cases to check
     # there, {"masks": (...), "grouped": bool}, or why the property does not apply at such sizes.
     at_scale: dict | str | None = None
+    # A multi-head property's projections: "drawn" (random W_Q..W_O, shown in a counterexample) or "identity"
+    # (a probe reading one head through projections that select Q, K and V; the module header says which).
+    projections: str = "drawn"
 
     @property
     def conventions(self) -> tuple[str, ...]:
@@ -96,7 +99,8 @@ class Property:
 
 
 def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
-         multihead=False, examples=(), after=(), lesson: Lesson | None = None, at_scale=None):
+         multihead=False, examples=(), after=(), lesson: Lesson | None = None, at_scale=None,
+         projections="drawn"):
     """Register ``fn`` under ``id`` (stable, kebab-case: a public contract). ``conventions``: those it applies to
     (default: every attention convention, attn_spec.vocabulary)."""
 
@@ -104,7 +108,7 @@ def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
         if id in REGISTRY:
             raise ValueError(f"property id {id!r} is registered twice")  # sanity check
         entry = REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
-                                        multihead, tuple(examples), tuple(after), lesson, at_scale)
+                                        multihead, tuple(examples), tuple(after), lesson, at_scale, projections)
 
         @functools.wraps(fn)
         def check_case(target, case):  # properties.rows_sum_to_one(my_attention, case) works too

@@ -425,11 +425,13 @@ def _heads_note(target, props, results) -> list[str]:
     if not (target.traits is not None and target.traits.multihead):
         return []
     ran = {r.id for r in results if r.status not in ("skip", "not-run")}
-    multi = [p.id for p in props if p.id in ran and p.multihead]
+    multi = [p.id for p in props if p.id in ran and p.multihead and p.projections == "drawn"]
+    probed = [p.id for p in props if p.id in ran and p.multihead and p.projections == "identity"]
     single = [p.id for p in props if p.id in ran and not p.multihead]
     parts = ([f"{', '.join(multi)} drew 1 to 4 heads and random W_Q, W_K, W_V, W_O (a counterexample shows them)"]
-             if multi else []) + ([f"{', '.join(single)} ran one head, through projections that select Q, K and V"]
-                                  if single else [])
+             if multi else []) + ([f"{', '.join(probed)} drew the heads and read each through projections that "
+                                   f"select Q, K and V"] if probed else []) + (
+        [f"{', '.join(single)} ran one head, through projections that select Q, K and V"] if single else [])
     return [f"heads: {'; '.join(parts)}"] if parts else []
 
 
