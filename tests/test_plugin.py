@@ -1,8 +1,9 @@
 """The pytest plugin (``--attn-target``) and properties called from a user's own tests.
 
-Every scenario runs a fresh pytest in a subprocess (``pytester``), as a user would, with the
-plugin loaded through its ``pytest11`` entry point and ``--attn-profile quick`` to stay fast; the usage
-errors, refused before anything is checked, run in this process (a new config, the same entry point).
+Each scenario is a fresh pytest (``pytester``), with the plugin loaded through its ``pytest11`` entry point and
+``--attn-profile quick`` to stay fast. It runs in this process (``runpytest_inprocess``: a new config and plugin
+manager, sparing each a subprocess's torch import, about 3 s of CPU) unless the scenario is about the process
+itself: the plugin's own import cost (no torch), pytest-xdist's workers, tox's command line.
 """
 import importlib.util
 import re
@@ -52,7 +53,7 @@ def header_seed(result) -> int:
 
 
 def test_correct_target_passes_with_one_item_per_property(attn_files):
-    result = attn_files.runpytest_subprocess("--attn-target", "attn_ok.py:attention", "--attn-profile", "quick",
+    result = attn_files.runpytest_inprocess("--attn-target", "attn_ok.py:attention", "--attn-profile", "quick",
                                              "--attn-seed", "7", "-v", "-rs")
     outcomes = result.parseoutcomes()
     assert result.ret == 0
@@ -71,7 +72,7 @@ def test_correct_target_passes_with_one_item_per_property(attn_files):
 
 def test_buggy_target_fails_with_the_property_id_and_the_lesson(attn_files):
     """Two targets, each with the properties --attn-only names (repeatable, comma-separated) less --attn-skip."""
-    result = attn_files.runpytest_subprocess("--attn-target", "attn_bad.py:attention", "--attn-target",
+    result = attn_files.runpytest_inprocess("--attn-target", "attn_bad.py:attention", "--attn-target",
                                              "attn_ok.py:attention", "--attn-only", "scale-sqrt-dk,matches-reference",
                                              "--attn-only", "rows-sum-to-one,causal-mask", "--attn-skip", "causal-mask",
                                              "--attn-profile", "quick", "--attn-seed", "3")
@@ -107,11 +108,11 @@ def test_inference_only_and_the_targets_output(pytester):
     pytester.makepyfile(attn_detached=DETACHED_AND_CHATTY)
     args = ["--attn-target", "attn_detached.py:attention", "--attn-only", "gradients,rows-sum-to-one",
             "--attn-profile", "quick", "--attn-seed", "3", "-rs"]
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest_inprocess(*args)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*what happened: no autograd: *it leaves the autograd graph through .detach()*",
                                  "*Captured stdout of the target call*", "called with (2, 2)*"])
-    result = pytester.runpytest_subprocess(*args, "--attn-inference-only")
+    result = pytester.runpytest_inprocess(*args, "--attn-inference-only")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*SKIPPED*gradients: not checked: declared an inference kernel*"])
 
@@ -125,7 +126,7 @@ def test_inference_only_and_the_targets_output(pytester):
      "ERROR: attn-spec: masks=*from the command line (--attn-masks): 'float' is not one of bool, additive*"),
 ], ids=["unknown-id", "missing-file", "unknown-mask-form"])
 def test_bad_ids_and_unloadable_targets_are_usage_errors(attn_files, args, message):
-    result = attn_files.runpytest_inprocess(*args)  # refused before anything runs: no subprocess's torch import
+    result = attn_files.runpytest_inprocess(*args)  # refused before anything runs
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 
@@ -134,8 +135,8 @@ def test_declared_additive_masks_reach_the_target(attn_files):
     """attn_ok reads its mask as bool (~mask): right by default, a crash once additive masks are declared."""
     args = ["--attn-target", "attn_ok.py:attention", "--attn-only", "mask-semantics", "--attn-profile", "quick",
             "--attn-seed", "7"]
-    assert attn_files.runpytest_subprocess(*args).ret == 0
-    result = attn_files.runpytest_subprocess(*args, "--attn-masks", "bool,additive")
+    assert attn_files.runpytest_inprocess(*args).ret == 0
+    result = attn_files.runpytest_inprocess(*args, "--attn-masks", "bool,additive")
     assert result.ret == 1
     result.stdout.fnmatch_lines(["*rerun: pytest --attn-target=attn_ok.py:attention --attn-only=mask-semantics "
                                  "*--attn-masks=bool,additive*"])
@@ -194,7 +195,7 @@ def test_check_property_catches_the_bug():
 
 def test_properties_in_a_users_own_tests(attn_files):
     attn_files.makepyfile(test_user=USER_TESTS)
-    result = attn_files.runpytest_subprocess()
+    result = attn_files.runpytest_inprocess()
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*AssertionError: ✗ scale-sqrt-dk: *", "*likely cause: *1/d_k*",
                                  "*attn_spec.reproduce('scale-sqrt-dk', 'attn_bad:attention', case*",
@@ -223,7 +224,7 @@ def test_the_tox_thorough_env_runs_the_catalog_in_parallel():
 
 def test_attn_shapes_checks_fixed_shapes_with_the_properties_that_apply(pytester):
     sdpa = "torch.nn.functional:scaled_dot_product_attention"
-    result = pytester.runpytest_subprocess("--attn-target", sdpa, "--attn-shapes", "1,2,1,16,40,8 1,1,24,8",
+    result = pytester.runpytest_inprocess("--attn-target", sdpa, "--attn-shapes", "1,2,1,16,40,8 1,1,24,8",
                                            "--attn-only", "matches-reference,gqa-equivalence,mask-semantics",
                                            "--attn-seed", "4", "-v", "-rs")
     assert result.ret == 0, result.stdout.str()

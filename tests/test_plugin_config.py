@@ -1,10 +1,9 @@
 """The pytest plugin configured once: ini keys in every pytest config file, [tool.attn-spec], the
 environment, the same precedence and error messages as `attn-spec check`, and the marker.
 
-Each scenario is a fresh pytest (``pytester``). Those that only collect (``--collect-only``: the header, the
-items, a usage error) run in this process (``runpytest_inprocess``: a new config and plugin manager, the plugin
-loaded through its entry point, nothing checked), sparing a torch import each; those that check targets run
-in a subprocess, as a user's CI does.
+Each scenario is a fresh pytest (``pytester``) run in this process (``runpytest_inprocess``: a new config and
+plugin manager, the plugin loaded through its entry point), sparing a subprocess's torch import each (about 3 s
+of CPU); test_plugin runs those about the process itself (xdist, tox, the plugin's import cost) in a subprocess.
 """
 import pytest
 
@@ -83,11 +82,11 @@ def test_configured_targets_run_with_the_whole_suite_not_with_a_named_file(attn_
     (attn_project.path / "pyproject.toml").write_text(
         '[tool.attn-spec]\ntargets = ["attn_ok.py:attention"]\nprofile = "quick"\nonly = ["rows-sum-to-one"]\n')
     attn_project.makepyfile(test_unit="def test_unit():\n    pass\n")
-    whole = attn_project.runpytest_subprocess()
+    whole = attn_project.runpytest_inprocess()
     whole.assert_outcomes(passed=2)  # the unit test and the configured target's one property
-    named = attn_project.runpytest_subprocess("test_unit.py")
+    named = attn_project.runpytest_inprocess("test_unit.py")
     named.assert_outcomes(passed=1)
-    flagged = attn_project.runpytest_subprocess("test_unit.py", "--attn-target", "attn_ok.py:attention")
+    flagged = attn_project.runpytest_inprocess("test_unit.py", "--attn-target", "attn_ok.py:attention")
     flagged.assert_outcomes(passed=2)  # a target on the command line is always checked
 
 
@@ -96,7 +95,7 @@ def test_expected_failures_are_xfails_and_requirements_are_items(attn_project):
     (attn_project.path / "pyproject.toml").write_text(
         '[tool.attn-spec]\ntargets = ["attn_bad.py:attention"]\nprofile = "quick"\nseed = 3\n'
         f'only = ["{ONLY}"]\nexpect = "known.txt"\nrequire = ["autograd", "scale", "fully-masked=nan"]\n')
-    result = attn_project.runpytest_subprocess("-rxs", "-v")
+    result = attn_project.runpytest_inprocess("-rxs", "-v")
     result.assert_outcomes(passed=3, failed=1, xfailed=1)
     result.stdout.fnmatch_lines([
         "*::scale-sqrt-dk XFAIL*",
@@ -110,7 +109,7 @@ def test_a_required_length_is_an_item(attn_project):
     (attn_project.path / "pyproject.toml").write_text(
         '[tool.attn-spec]\ntargets = ["attn_ok.py:attention"]\nprofile = "quick"\nseed = 3\n'
         'only = ["rows-sum-to-one"]\nrequire = ["length=64"]\n')
-    result = attn_project.runpytest_subprocess("-v")
+    result = attn_project.runpytest_inprocess("-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*::capability:length PASSED*"])
 
@@ -143,7 +142,7 @@ def test_plain():
 
 def test_marker_checks_a_target_from_a_test_module(attn_project):
     attn_project.makepyfile(test_marked=MARKED)
-    result = attn_project.runpytest_subprocess("-v")
+    result = attn_project.runpytest_inprocess("-v")
     result.assert_outcomes(passed=3, failed=2)
     result.stdout.fnmatch_lines(["*collected 5 items*"])  # the property items, not the 4 functions
     result.stdout.fnmatch_lines([

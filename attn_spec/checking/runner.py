@@ -187,6 +187,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     test = settings(max_examples=prof.max_examples, deadline=None, database=None, derandomize=False,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
                     phases=(Phase.explicit, Phase.generate, Phase.shrink), verbosity=Verbosity.quiet)(test)
+    # No database, so no key for it: Hypothesis would otherwise digest body's source on every run (~10 ms).
+    test._hypothesis_internal_database_key = None
     start, output = time.perf_counter(), None
     try:
         with _hypothesis_home_elsewhere(), capture() as output, _global_rng(seed, prop.id), counting(target):

@@ -25,6 +25,7 @@ apply at such sizes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -82,6 +83,36 @@ def checked(values, allowed, what):
     return values
 
 
+def _frozen(value):
+    """``value`` as a hashable key: lists and tuples as tuples, dicts as sorted items."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
+
+
+def built_once(make):
+    """``make``'s strategy built once per set of arguments and reused (a strategy is immutable, so it draws the
+    same examples): building one costs Hypothesis a reading of the draw function's source (``st.composite``)
+    and a validation, about 5 ms, paid before by every property of every check."""
+    built: dict = {}
+
+    @functools.wraps(make)
+    def cached(profile="default", **options):
+        key = (profile, _frozen(options))
+        try:
+            return built[key]
+        except TypeError:  # an unhashable option: build it each time
+            return make(profile, **options)
+        except KeyError:
+            built[key] = strategy = make(profile, **options)
+            return strategy
+
+    return cached
+
+
+@built_once
 def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
           masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
           min_n_kv: int = 1, square: bool = False, same_width: bool = False,
@@ -156,6 +187,7 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     return draw()
 
 
+@built_once
 def mha_cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
               masks=("none", "random", "causal"), max_length: int | None = None) -> st.SearchStrategy[MhaCase]:
     """Multi-head cases: d_model = n_heads * d_head with 1..4 heads; shrinks towards 1 head (``max_length``: see cases)."""

@@ -41,15 +41,15 @@ def call_in_child(fn, *, timeout: float = 20.0) -> tuple[str, object]:
         _write_all(write, data)
         os._exit(0)
     os.close(write)
-    chunks, deadline = [], time.monotonic() + timeout
+    chunks, deadline, sent = [], time.monotonic() + timeout, False
     try:
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([read], [], [], 0.01)
-            if ready:
+            if not sent and select.select([read], [], [], 0.01)[0]:
                 chunk = os.read(read, 1 << 16)
                 if chunk:
                     chunks.append(chunk)
                     continue
+                sent = True  # end of file: the child is exiting (a closed pipe is always ready: no spinning on it)
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 if os.WIFSIGNALED(status):
@@ -57,6 +57,8 @@ def call_in_child(fn, *, timeout: float = 20.0) -> tuple[str, object]:
                 chunks.append(_read_rest(read))
                 data = b"".join(chunks)
                 return pickle.loads(data) if data else ("unrun", "the child exited without a result")
+            if sent:
+                time.sleep(0.001)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         return "hangs", None
