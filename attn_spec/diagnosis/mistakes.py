@@ -170,6 +170,7 @@ def softmax_missing(q, k, v, mask, scale):
 @mistake("exp-without-max", family="numerics", exact=True, caught_by=("numerical-stability", "long-sequences"),
          sentence="the softmax is exp(s) / sum(exp(s)) without subtracting the row max: exp overflows to inf "
                   "(inf / inf = NaN) once scores are large, and a 16-bit sum overflows over many keys",
+         cause="exp overflows or underflows to 0/0 on large scores: subtract each row's max before exp",
          fix="subtract each row's max first (torch.softmax does): exp(s - s.amax(dim=-1, keepdim=True))")
 def exp_without_max(q, k, v, mask, scale):
     e = torch.exp(masked(scores(q, k, scale), mask))
@@ -179,6 +180,8 @@ def exp_without_max(q, k, v, mask, scale):
 @mistake("max-over-tensor", family="numerics", exact=True, caught_by=("batch-independence", "numerical-stability"),
          sentence="the max subtracted for a stable softmax is taken over the whole tensor (x.max() without dim): "
                   "rows and batch elements with smaller scores underflow to 0/0",
+         cause="the max is taken over more than the row (x.max() without dim=-1?): rows with smaller scores "
+               "underflow to 0/0",
          fix="s.amax(dim=-1, keepdim=True): the max of each row")
 def max_over_tensor(q, k, v, mask, scale):
     s = masked(scores(q, k, scale), mask)
