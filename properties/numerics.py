@@ -15,21 +15,14 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.diagnosis import MISTAKES
+from attn_spec.diagnosis.mismatch import output
 from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import push_limit, sink_levels, sunk_inputs
 
 
-def _unstable_softmaxes(q, k, v, mask):
-    """(description, output) for the classic unstable softmaxes, in the inputs' dtype."""
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
-    s = s if mask is None else s.masked_fill(~mask, -math.inf)
-    for description, shift in (("exp overflows or underflows to 0/0 on large scores: subtract each row's max "
-                                "before exp", 0.0),
-                               ("the max is taken over more than the row (x.max() without dim=-1?): rows with "
-                                "smaller scores underflow to 0/0", s.max())):
-        e = torch.exp(s - shift)
-        yield description, (e / e.sum(dim=-1, keepdim=True)) @ v
+UNSTABLE_MISTAKES = ("exp-without-max", "max-over-tensor")  # the catalog's unstable softmaxes (attn_spec.diagnosis)
 
 
 def beyond_exp(dtype: torch.dtype) -> float:
@@ -81,9 +74,10 @@ def numerical_stability(target, case):
 
     def cause():
         bad = ~torch.isfinite(got).all(dim=-1)  # [..., Tq] rows with NaN or inf
-        unstable = _unstable_softmaxes(loud, k, v, mask) if chunked.fits(q, k, v, mask) else ()  # [Tq, Tk] each
+        unstable = ((MISTAKES[m].cause_for(), output(m, loud, k, v, mask)) for m in UNSTABLE_MISTAKES) \
+            if chunked.fits(q, k, v, mask) else ()  # each model in the inputs' dtype, its outputs [..., Tq, Dv]
         return next((d for d, out in unstable
-                     if bad.any() and torch.equal(~torch.isfinite(out).all(dim=-1), bad)),
+                     if bad.any() and out is not None and torch.equal(~torch.isfinite(out).all(dim=-1), bad.cpu())),
                     "large scores are clipped or lose precision (a clamp on the scores, or a narrower type inside?)"
                     if not bad.any() else "NaN or inf in rows with large scores")
     ref.check(got, call=f"attention(Q', K, V{with_mask(mask)}), Q' = Q with some rows scaled",

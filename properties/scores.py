@@ -8,31 +8,38 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.probes import WEIGHT_LABELS, weights
 from attn_spec.checking.tolerance import max_error, softcap_budget
+from attn_spec.diagnosis import MISTAKES
+from attn_spec.diagnosis.mismatch import output
 from attn_spec.properties.inputs import near
-
-F64 = torch.float64
-
 
 CAPS = (1.0, 5.0, 20.0, 50.0)  # picked by the case's seed; 50 is Gemma 2's attention cap
 
 
-def _scores_attention(q, k, v, mask, scores_fn):
-    """Attention in float64 whose scores are ``scores_fn(scaled scores, allowed)``: the candidates of a diagnosis."""
-    q, k, v = (t.detach().to("cpu", F64) for t in (q, k, v))
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
-    allowed = torch.ones_like(s, dtype=torch.bool) if mask is None or mask.dtype != torch.bool \
-        else mask.cpu().expand(s.shape)
-    bias = mask.cpu().to(F64) if mask is not None and mask.dtype != torch.bool else 0.0
-    w = torch.softmax(scores_fn(s + bias, allowed), dim=-1).nan_to_num(0.0)
-    return w @ v  # [..., Tq, Dv]
+def _candidates(q, k, v, mask, cap):
+    """(cause, output) for the classic softcap mistakes on these inputs, in float64: the catalog's models
+    (attn_spec.diagnosis: softcap-without-factor, softcap-after-mask) in their own words, and the reference with its
+    options for the cap ignored, cap * tanh(s) and the cap before the scale."""
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def scaled_after_cap(s):  # s = cap * tanh(Q K^T / cap), masked: the reference's softmax of s / sqrt(d_k)
+        return reference.softmax_keys(s * scale)
+
+    def mistake(mistake_id):
+        return MISTAKES[mistake_id].cause_for(), output(mistake_id, q, k, v, mask, softcap=cap)
+
+    yield "the softcap argument is ignored: scores are not capped", reference.attention(q, k, v, mask)[0]
+    yield mistake("softcap-without-factor")
+    yield ("the scores are not divided by the cap: cap * tanh(s) instead of cap * tanh(s / cap)",
+           reference.attention(q, k, v, mask, scale=scale * cap, softcap=cap)[0])  # cap tanh(scale cap QK^T / cap)
+    yield mistake("softcap-after-mask")
+    yield ("the cap is applied before the scale: cap * tanh(Q K^T / cap) / sqrt(d_k)",
+           reference.attention(q, k, v, mask, scale=1.0, softcap=cap, softmax=scaled_after_cap)[0])
 
 
 @prop("softcap", family="scores",
@@ -65,20 +72,7 @@ def softcap(target, case):
     if err <= allowed:
         return
 
-    def masked(s, keep):
-        return s.masked_fill(~keep, -math.inf)
-    candidates = [
-        ("the softcap argument is ignored: scores are not capped", lambda s, keep: masked(s, keep)),
-        ("tanh without the cap factor: tanh(s / cap) squashes every score into (-1, 1); multiply by cap",
-         lambda s, keep: masked(torch.tanh(s / cap), keep)),
-        ("the scores are not divided by the cap: cap * tanh(s) instead of cap * tanh(s / cap)",
-         lambda s, keep: masked(cap * torch.tanh(s), keep)),
-        ("softcap applied after the mask: masked scores become -cap instead of -inf, so masked keys keep weight",
-         lambda s, keep: cap * torch.tanh(masked(s, keep) / cap)),
-        ("the cap is applied before the scale: cap * tanh(Q K^T / cap) / sqrt(d_k)",
-         lambda s, keep: masked(cap * torch.tanh(s * math.sqrt(case.d_k) / cap) / math.sqrt(case.d_k), keep))]
-    cause = next((text for text, fn in candidates
-                  if near(got, _scores_attention(q, k, v, mask, fn), allowed)),
+    cause = next((text for text, out in _candidates(q, k, v, mask, cap) if out is not None and near(got, out, allowed)),
                  "the scores are not capped as cap * tanh(s / cap) before the mask")
     fail(f"max error {err:.3g}", what=f"the output with softcap = {cap:g} against the float64 reference (weights shown)",
          budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, softcap={cap:g})", cause=cause,

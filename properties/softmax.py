@@ -5,10 +5,7 @@ Each function's docstring states the math, why it matters, and the bugs it catch
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from attn_spec import reference
 from attn_spec.checking import probes
@@ -16,12 +13,12 @@ from attn_spec.checking.assertions import assert_close, fail, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.tolerance import budget, max_error
+from attn_spec.diagnosis import MISTAKES
+from attn_spec.diagnosis.mismatch import output
 from attn_spec.diagnosis.numbers import weight_factor
 from attn_spec.errors import Uninformative
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import push_limit
-
-F64 = torch.float64
 
 
 def _ones_like_values(k):
@@ -94,23 +91,7 @@ def _fmt(t):
     return f"[{shown}{', ...' if flat.numel() > 6 else ''}]"
 
 
-def _not_shift_invariant(q, k, v, mask):
-    """(description, output) for classic weightings that a key shift changes, in float64."""
-    q, k, v = (t.to("cpu", F64) for t in (q, k, v))
-    mask = None if mask is None else mask.cpu()
-
-    def scores(keys):
-        s = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [..., Tq, Tk]
-        return s if mask is None else s.masked_fill(~mask, -math.inf)
-
-    relu = scores(k).relu()
-    yield "the weights are relu(scores) normalised by their sum, not a softmax", (relu / relu.sum(-1, keepdim=True)) @ v
-    yield "the keys are L2-normalised (cosine similarity), which a shift changes", \
-        torch.softmax(scores(F.normalize(k, dim=-1)), dim=-1) @ v
-    s = scores(k)
-    e = torch.exp(s - s.amax(dim=-2, keepdim=True))  # [..., Tq, Tk]
-    yield "the max for a stable softmax is taken over the queries (dim=-2), not the keys", \
-        (e / e.sum(-1, keepdim=True)) @ v
+SHIFT_MISTAKES = ("relu-normalised", "keys-normalised", "max-over-queries")  # catalog weightings a key shift changes
 
 
 @prop("key-shift-invariance", family="softmax",
@@ -155,15 +136,18 @@ def key_shift_invariance(target, case):
 
 
 def _shift_cause(before, after, q, k, shifted, v, mask, allowed) -> str:
-    """The classic weighting that reproduces the target's outputs before and after the shift."""
+    """The classic weighting (a model of the catalog, attn_spec.diagnosis) that reproduces the target's outputs
+    before and after the shift, in the model's own words."""
     def reproduces(got, out):  # NaN where the mistake gives NaN counts as reproduced
+        if out is None:  # the model raised on these inputs
+            return False
         limit = max(allowed, 1e-3 * max(1.0, out.nan_to_num(0.0).abs().max().item()))
         return max_error(got.nan_to_num(0.0), out.nan_to_num(0.0)) <= limit
 
-    for (cause, out), (_, out_shifted) in zip(_not_shift_invariant(q, k, v, mask),
-                                              _not_shift_invariant(q, shifted, v, mask)):
-        if reproduces(before, out) and reproduces(after, out_shifted):
-            return cause
+    for mistake_id in SHIFT_MISTAKES:
+        if reproduces(before, output(mistake_id, q, k, v, mask)) and \
+                reproduces(after, output(mistake_id, q, shifted, v, mask)):
+            return MISTAKES[mistake_id].cause_for()
     if torch.isfinite(before).all() and not torch.isfinite(after).all():
         return "shifted scores overflow exp: subtract each row's max before exp"
     return "the weights are not a softmax of the scores (a shift of every score in a row changes them)"

@@ -185,6 +185,44 @@ def test_a_mismatch_is_worded_by_the_catalog_model_that_reproduces_it():
     assert not [m.id for m in MISTAKES.values() if (m.cause or m.sentence)[:24] in source]
 
 
+def _max_over_queries(Q, K, V, mask=None):  # the stabilising max over dim=-2: not shift invariant
+    s = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
+    e = torch.exp(s - s.amax(dim=-2, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True) @ V
+
+
+def _max_over_tensor(Q, K, V, mask=None):  # the stabilising max over the whole tensor: rows underflow to 0/0
+    s = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
+    e = torch.exp(s - s.max())
+    return e / e.sum(dim=-1, keepdim=True) @ V
+
+
+def _softcap_without_factor(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            softcap=None):  # tanh(s / cap): the cap's factor forgotten
+    s = query @ key.transpose(-2, -1) / math.sqrt(query.shape[-1])
+    s = s if softcap is None else torch.tanh(s / softcap)
+    return torch.softmax(s if attn_mask is None else s.masked_fill(~attn_mask, -math.inf), dim=-1) @ value
+
+
+@pytest.mark.parametrize("fn, pid, mid", [(_max_over_queries, "key-shift-invariance", "max-over-queries"),
+                                          (_max_over_tensor, "numerical-stability", "max-over-tensor"),
+                                          (_softcap_without_factor, "softcap", "softcap-without-factor")])
+def test_a_key_shift_large_scores_and_a_softcap_are_worded_by_the_catalog(fn, pid, mid):
+    """key-shift-invariance, numerical-stability and softcap ask the catalog too: their cause is the reproducing
+    model's own words (Mistake.cause_for), which those property files do not write."""
+    from pathlib import Path
+
+    from attn_spec.diagnosis import MISTAKES
+
+    report = attn_spec.check(fn, profile="quick", seed=0, devices=["cpu"], dtypes=["float64"], only=[pid],
+                             diagnose=False)
+    (row,) = json.loads(report.to_json())["targets"][0]["properties"]
+    assert row["status"] == "fail" and row["cause"] == MISTAKES[mid].cause_for()
+    files = ("softmax.py", "scores.py", "numerics.py")
+    source = "".join((Path(properties.__file__).parent / name).read_text() for name in files)
+    assert not [m.id for m in MISTAKES.values() if m.cause and m.cause[:24] in source]
+
+
 def test_the_cause_names_a_bshd_kernel_that_attends_over_the_heads():
     def kernel(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):  # [B, S, H, D], read as [B, H, S, D]
         return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, is_causal=causal)

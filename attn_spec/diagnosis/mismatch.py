@@ -1,7 +1,8 @@
 """Name the likely bug behind one mismatch (a property's own cause, before any replay) by asking the catalog
 which classic mistake reproduces the output: each model (attn_spec.diagnosis, ``MISTAKES``) is run on the
-mismatched call's inputs (:func:`attn_spec.diagnosis.predict.predict`), and the first that reproduces it names
-the cause in the model's own words (``Mistake.cause_for``).
+mismatched call's inputs (:func:`output`, through :func:`attn_spec.diagnosis.predict.predict`), and the first that
+reproduces it names the cause in the model's own words (``Mistake.cause_for``). Properties whose mismatch has its own
+candidates (a key shift, a softcap) ask :func:`output` the same way.
 
 A convention's own misreading comes first (a [B, S, H, D] kernel that reads its inputs as [B, H, S, D]); the
 report's roots come from the same models replayed on every call of the failure (attn_spec.diagnosis.run).
@@ -23,21 +24,22 @@ F64 = torch.float64
 BLOCKS = (16, 32, 64, 128, 256, 512, 1024)  # the key blocks of a blocked kernel that may drop its partial block
 
 
-def _output(mistake_id: str, q, k, v, mask, params=None):
-    """What the catalog's model ``mistake_id`` computes on these inputs (float64), or None where it raises."""
-    pred = predict(MISTAKES[mistake_id], Call("attend", {"q": q, "k": k, "v": v, "mask": mask}), params)
+def output(mistake_id: str, q, k, v, mask, params=None, **options):
+    """What the catalog's model ``mistake_id`` computes on these inputs (float64, or their own dtype where the
+    model is ``exact``), or None where it raises; ``options``: the call's own (``softcap=cap``, ...)."""
+    pred = predict(MISTAKES[mistake_id], Call("attend", {"q": q, "k": k, "v": v, "mask": mask, **options}), params)
     return None if pred is None or pred.error is not None else pred.out
 
 
-def _reproduces(got, output, budget: float) -> bool:
-    """``output`` (broadcast to ``got``'s shape) equals ``got`` within ``budget``."""
-    if not isinstance(output, torch.Tensor):
+def _reproduces(got, candidate, budget: float) -> bool:
+    """``candidate`` (broadcast to ``got``'s shape) equals ``got`` within ``budget``."""
+    if not isinstance(candidate, torch.Tensor):
         return False
     try:
-        output = torch.broadcast_to(output, got.shape)
+        candidate = torch.broadcast_to(candidate, got.shape)
     except RuntimeError:
         return False
-    return max_error(got, output) <= budget
+    return max_error(got, candidate) <= budget
 
 
 def explain(target, got, q, k, v, mask, allowed) -> str:
@@ -55,7 +57,7 @@ def _transposed_reading(got, q, k, v, mask, allowed) -> bool:
     h = Heads(q, k, v, mask)
     if mask is not None or h.q.shape[-2] != h.k.shape[-2] or h.heads != h.kv_heads:
         return False
-    out = _output("heads-sequence-transposed", h.q, h.k, h.v, None)  # [B, H, S, Dv]
+    out = output("heads-sequence-transposed", h.q, h.k, h.v, None)  # [B, H, S, Dv]
     return out is not None and _reproduces(got, h.restore(out), allowed)
 
 
@@ -88,11 +90,11 @@ def _no_attention(got, q, k, v, budget: float) -> str:
     """The cause of an output that is no attention at all (the catalog's zeros, V, uniform weights; Q or a
     constant, which no model computes), or ''."""
     for mistake_id in ("returns-zeros", "returns-values"):
-        if _reproduces(got, _output(mistake_id, q, k, v, None), budget):
+        if _reproduces(got, output(mistake_id, q, k, v, None), budget):
             return MISTAKES[mistake_id].cause_for()
     if q.shape[-1] == v.shape[-1] and _reproduces(got, q, budget):
         return "the output is Q itself: the queries are returned as they are"
-    if _reproduces(got, _output("uniform-weights", q, k, v, None), budget):  # the mask ignored too
+    if _reproduces(got, output("uniform-weights", q, k, v, None), budget):  # the mask ignored too
         return MISTAKES["uniform-weights"].cause_for()
     if got.numel() > 1 and bool((got == got.flatten()[0]).all()):
         return f"the output is the constant {got.flatten()[0].item():.4g} everywhere: it ignores its inputs"
@@ -116,13 +118,13 @@ def diagnose_mismatch(got, q, k, v, mask, budget: float) -> str:
         if mask is not None and mask.shape[-2] > 1:
             mask = mask[..., rows.to(mask.device), :]
     for mistake_id, params, numbers in _mistakes(q, k, v, mask, all_rows=all_rows):
-        output = _output(mistake_id, q, k, v, mask, params)
-        if output is not None and max_error(got, output) <= max(budget, 1e-3 * max(1.0, output.abs().max().item())):
+        out = output(mistake_id, q, k, v, mask, params)
+        if out is not None and max_error(got, out) <= max(budget, 1e-3 * max(1.0, out.abs().max().item())):
             return MISTAKES[mistake_id].cause_for(**params, **numbers)
     if q.dtype == F64:  # a float64 target that secretly computes in float32
         ref = reference.attention(q, k, v, mask)[0]
         err = max_error(got, ref)
-        err32 = max_error(_output("computes-in-float32", q, k, v, mask), ref)
+        err32 = max_error(output("computes-in-float32", q, k, v, mask), ref)
         floor32 = torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
         if err > floor32 / 16 and err <= 4 * err32 + 8 * floor32:
             return MISTAKES["computes-in-float32"].cause_for(err=err, budget=budget)

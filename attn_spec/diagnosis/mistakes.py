@@ -136,6 +136,7 @@ def sigmoid_weights(q, k, v, mask, scale):
 
 @mistake("relu-normalised", family="softmax", caught_by=("key-shift-invariance",),
          sentence="the weights are relu(scores) divided by their sum, not a softmax (shifting the scores changes them)",
+         cause="the weights are relu(scores) normalised by their sum, not a softmax",
          fix="torch.softmax(scores, dim=-1)")
 def relu_normalised(q, k, v, mask, scale):
     w = masked(scores(q, k, scale), mask).relu()
@@ -169,6 +170,7 @@ def softmax_missing(q, k, v, mask, scale):
 @mistake("exp-without-max", family="numerics", exact=True, caught_by=("numerical-stability", "long-sequences"),
          sentence="the softmax is exp(s) / sum(exp(s)) without subtracting the row max: exp overflows to inf "
                   "(inf / inf = NaN) once scores are large, and a 16-bit sum overflows over many keys",
+         cause="exp overflows or underflows to 0/0 on large scores: subtract each row's max before exp",
          fix="subtract each row's max first (torch.softmax does): exp(s - s.amax(dim=-1, keepdim=True))")
 def exp_without_max(q, k, v, mask, scale):
     e = torch.exp(masked(scores(q, k, scale), mask))
@@ -178,6 +180,8 @@ def exp_without_max(q, k, v, mask, scale):
 @mistake("max-over-tensor", family="numerics", exact=True, caught_by=("batch-independence", "numerical-stability"),
          sentence="the max subtracted for a stable softmax is taken over the whole tensor (x.max() without dim): "
                   "rows and batch elements with smaller scores underflow to 0/0",
+         cause="the max is taken over more than the row (x.max() without dim=-1?): rows with smaller scores "
+               "underflow to 0/0",
          fix="s.amax(dim=-1, keepdim=True): the max of each row")
 def max_over_tensor(q, k, v, mask, scale):
     s = masked(scores(q, k, scale), mask)
@@ -187,6 +191,7 @@ def max_over_tensor(q, k, v, mask, scale):
 
 @mistake("max-over-queries", family="numerics", exact=True, caught_by=("key-shift-invariance",),
          sentence="the max subtracted for a stable softmax is taken over the queries (dim=-2), not the keys",
+         cause="the max for a stable softmax is taken over the queries (dim=-2), not the keys",
          fix="s.amax(dim=-1, keepdim=True)")
 def max_over_queries(q, k, v, mask, scale):
     s = masked(scores(q, k, scale), mask)
@@ -320,6 +325,7 @@ def values_activation(q, k, v, mask, scale):
 
 @mistake("keys-normalised", family="values", exact=True, caught_by=("key-shift-invariance",),
          sentence="K is L2-normalised (cosine attention without a learned temperature)",
+         cause="the keys are L2-normalised (cosine similarity), which a shift changes",
          fix="use the keys as given (or normalise Q and K both and learn a temperature, deliberately)")
 def keys_normalised(q, k, v, mask, scale):
     return correct(q, F.normalize(k, dim=-1), v, mask, scale)

@@ -39,6 +39,7 @@ def window_off_by_one(q, k, v, mask, scale, window, softcap, off):
 @mistake("softcap-after-mask", family="softcap", options=True, caught_by=("softcap",),
          sentence="the softcap is applied after the mask: a masked score of -inf (or finfo.min) becomes -cap, "
                   "so masked keys keep a weight of exp(-cap - max)",
+         cause="softcap applied after the mask: masked scores become -cap instead of -inf, so masked keys keep weight",
          fix="cap the scores first, then mask: cap * tanh(scores / cap), and only then add the mask")
 def softcap_after_mask(q, k, v, mask, scale, window, softcap):
     s = masked(scores(q, k, scale), _windowed(mask, q.shape[-2], k.shape[-2], window))  # [..., Tq, Tk]
@@ -47,6 +48,7 @@ def softcap_after_mask(q, k, v, mask, scale, window, softcap):
 
 @mistake("softcap-without-factor", family="softcap", options=True, caught_by=("softcap",),
          sentence="the softcap lacks its factor: tanh(scores / cap), every score squeezed into (-1, 1)",
+         cause="tanh without the cap factor: tanh(s / cap) squashes every score into (-1, 1); multiply by cap",
          fix="cap * tanh(scores / cap)")
 def softcap_without_factor(q, k, v, mask, scale, window, softcap):
     s = scores(q, k, scale)
