@@ -232,12 +232,14 @@ def _sizes(cell: str, small: int, large: tuple[int, ...]) -> None:
 def test_docstring_profile_table_matches_profiles():
     table = _docstring_table()
     assert list(table) == [name for name, prof in PROFILES.items() if not prof.ladder]
-    for name, (_, examples, lengths, dims, batch) in table.items():
+    for name, (_, examples, lengths, dims, batch, pages, splits) in table.items():
         prof = PROFILES[name]
         assert int(examples) == prof.max_examples, name
         _sizes(lengths, prof.small, prof.lengths)
         _sizes(dims, prof.small, prof.dims)
         assert batch == f"up to {prof.max_batch_dims}", name
+        _sizes(pages, prof.small, prof.pages)
+        assert splits == f"0..{prof.max_splits}", name
 
 
 # -- argument validation ------------------------------------------------------------------------------
