@@ -16,13 +16,16 @@ import torch
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.checking.cases import _values
+from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import KitUsageError, Unsupported
 
 F64 = torch.float64
 DECODE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "cache": True, "grouped": 1}
 AT_SCALE = {"cache": True}  # --shapes B,H,[HKV,]S_NEW,S_CACHE,D[,page=P] (attn_spec.checking.shapes.decode_case)
+# Tried first: two new tokens after cached ones, in elements of different lengths (where top-left and bottom-right
+# causal differ, and where one element's length used for all is wrong).
+EXAMPLES = (Case(batch=(2, 1), n_q=2, n_kv=5, d_k=2, d_v=2, cache_lengths=(5, 3), seed=11),)
 
 
 def kv_heads(case) -> int:
@@ -64,7 +67,7 @@ def last_rows_reference(q, k_full, v_full, b, start, end):
 @prop("decode-equals-full-causal", family="serving",
       statement="decoding S_new tokens from a cache of L - S_new (appended) or L (already filled) rows gives the last "
                 "S_new rows of full causal attention over the L tokens",
-      conventions=("decode",), cases=DECODE_CASES, at_scale=AT_SCALE,
+      conventions=("decode",), cases=DECODE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="decode(q_{L-S:L}, cache_{<L-S}, k_new, v_new) = causal(Q, K, V)_{L-S:L}  (bottom-right)",
                     latex=r"\mathrm{decode}(q_{L-S:L}, \mathrm{cache}_{<L-S}, k_{new}, v_{new}) = "
                           r"\mathrm{causal}(Q, K, V)_{L-S:L}",
@@ -111,7 +114,8 @@ def _why_decode_differs(target) -> str:
 @prop("cache-outside-invariance", family="serving",
       statement="cache rows outside [cache_leftpad, cache_seqlens), and the rows the append overwrites, set to NaN "
                 "change nothing in the output",
-      conventions=("decode",), cases=DECODE_CASES, at_scale=AT_SCALE, after=("decode-equals-full-causal",),
+      conventions=("decode",), cases=DECODE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
+      after=("decode-equals-full-causal",),
       lesson=Lesson(unicode="decode(cache with rows ∉ [pad, len) = NaN) = decode(cache)   bitwise",
                     latex=r"\mathrm{decode}(\mathrm{cache}[r \notin [pad, len)] = \mathrm{NaN}) = \mathrm{decode}"
                           r"(\mathrm{cache})",
@@ -163,7 +167,7 @@ def cache_outside_invariance(target, case):
 @prop("append-writes-exactly", family="serving",
       statement="appending k, v writes exactly cache rows [cache_seqlens, cache_seqlens + S_new) of each element, "
                 "bitwise, and no other row",
-      conventions=("decode",), cases=DECODE_CASES, at_scale=AT_SCALE,
+      conventions=("decode",), cases=DECODE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="cache'[b, r] = k_new[b, r - len_b] if len_b <= r < len_b + S else cache[b, r]",
                     latex=r"\mathrm{cache}'_{b,r} = k_{new,b,r-\ell_b}\ \text{if}\ \ell_b \le r < \ell_b + S,\ "
                           r"\mathrm{cache}_{b,r}\ \text{otherwise}",

@@ -10,7 +10,7 @@ from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.properties.decode import AT_SCALE, decode_inputs, last_rows_reference
+from attn_spec.properties.decode import AT_SCALE, EXAMPLES, decode_inputs, last_rows_reference
 from attn_spec.properties.paged import PAGED_CASES, page_layout, to_pages
 from attn_spec.targets.serving_decode import page_granule
 
@@ -28,7 +28,8 @@ def chunk_sizes(case, total: int) -> list[int]:
 @prop("chunked-prefill-equals-one-shot", family="serving",
       statement="appending S_new tokens in chunks, one call each (the cache growing between calls), gives the "
                 "rows and the cache of one call over all S_new tokens",
-      conventions=("decode",), cases=PAGED_CASES, at_scale=AT_SCALE, after=("decode-equals-full-causal",),
+      conventions=("decode",), cases=PAGED_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
+      after=("decode-equals-full-causal",),
       lesson=Lesson(unicode="concat_c decode(q_c, cache + chunks_{<c}) = decode(q, cache) = causal(Q, K, V)_{L-S:L}",
                     latex=r"\mathrm{concat}_c\,\mathrm{decode}(q_c, \mathrm{cache} + k_{<c}) = "
                           r"\mathrm{causal}(Q, K, V)_{L-S:L}",

@@ -197,6 +197,7 @@ def test_profiles_are_ordered_quick_default_thorough():
         assert lo.small <= hi.small and lo.max_batch_dims <= hi.max_batch_dims
         assert max(lo.lengths, default=0) <= max(hi.lengths) and max(lo.dims, default=0) <= max(hi.dims)
         assert set(lo.magnitudes) <= set(hi.magnitudes)
+        assert max(lo.pages, default=0) <= max(hi.pages) and lo.max_splits <= hi.max_splits
     assert max(default.lengths) > 100 and max(default.dims) >= 256
 
 

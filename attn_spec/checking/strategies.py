@@ -144,7 +144,8 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     segment = {big: st.tuples(s, s) for big, s in ((False, st.integers(0, prof.small)),
                                                      (True, st.one_of(st.integers(0, prof.small), length)))}
     packed = {big: st.lists(segment[big], min_size=1, max_size=4).map(tuple) for big in (False, True)}
-    page_sizes = sizes(prof.small, prof.pages) if page_granule == 1 else st.sampled_from((page_granule, 2 * page_granule))
+    page_sizes = (sizes(prof.small, prof.pages) if page_granule == 1
+                  else st.sampled_from((page_granule, 2 * page_granule)))  # the kernel's smallest page, or twice it
     paged = st.tuples(page_sizes, st.integers(0, 3))  # (page size, spare pages)
     split_counts = st.integers(0, prof.max_splits)
     grouping = st.tuples(st.integers(1, 2), st.integers(1, 3))  # (H_kv, g): shrinks to one head, no grouping
