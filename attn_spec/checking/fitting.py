@@ -45,8 +45,8 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
     if prop.case_options.get("grouped") is not None and not supports.gqa:
         options["grouped"] = None  # a serving kernel that declines grouped K/V heads (the header's "grouped heads")
-    if prop.case_options.get("pages"):
-        options["page_granule"] = supports.page_granule
+    if prop.case_options.get("pages"):  # no page drawn for a kernel that takes no block table
+        options["pages"], options["page_granule"] = supports.page_granule > 0, max(1, supports.page_granule)
     if not prop.uses_multihead(convention):  # multi-head cases fit themselves (properties.inputs.cross_or_self)
         needs_cross, needs_batch = prop.case_options.get("cross"), prop.case_options.get("batch")
         for ok, needed, option, what, capability in (

@@ -6,7 +6,8 @@ with HKV key/value heads). For a varlen kernel the same shape is a packed batch:
 over up to NKV keys (lengths drawn from the seed, the first sequence the longest; ``packed_case``). For a decode
 kernel it is ``B,H,[HKV,]S_NEW,S_CACHE,D[,page=P]``: B sequences of up to S_CACHE tokens in the cache, the last
 S_NEW of each decoded (S_CACHE counts them; the first sequence the longest, the others' lengths drawn from the seed
-in [S_NEW, S_CACHE]), a paged cache in pages of P rows (``decode_case``; default 16, or the kernel's smallest).
+in [S_NEW, S_CACHE]), a paged cache in pages of P rows (``decode_case``; default 16, or the kernel's smallest); on the
+scale ladder a decode kernel decodes one new token over each length.
 A *rung* is one shape in one dtype on one device.
 
 How a fixed shape flows through the catalog: each property says in ``@prop(at_scale=...)``
@@ -19,7 +20,7 @@ snippet rebuilds that case. Small sizes stay the drawn profiles' job.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,6 +87,7 @@ class Rung:
     shape: Shape
     dtype: str
     device: str
+    ladder: bool = False  # one of the scale profile's shapes (a decode kernel decodes one token over its length)
 
     def __str__(self) -> str:
         return f"{self.shape} {self.dtype} {self.device}"
@@ -116,7 +118,7 @@ def rungs(shapes, *, dtypes=None, devices=None) -> list[Rung]:
     out = []
     for device in devices:
         for shape in (parse_shapes(shapes) if shapes is not None else ladder(device)):
-            out += [Rung(shape, dtype, device) for dtype in (dtypes or DEVICE_DTYPES[device])]
+            out += [Rung(shape, dtype, device, ladder=shapes is None) for dtype in (dtypes or DEVICE_DTYPES[device])]
     return out
 
 
@@ -136,6 +138,7 @@ def fixed_cases(prop, convention: str, rung: Rung, seed: int) -> list | str:
     if options.get("segments"):  # a packed batch (the varlen convention): B sequences of up to NQ, NKV tokens
         return [packed_case(s, rung, seed)]
     if options.get("cache"):  # a batch of decode calls (the decode convention)
+        s = replace(s, n_q=1) if rung.ladder else s  # the scale ladder: one new token over each length
         if s.n_q > s.n_kv:
             return (f"shape {s} decodes S_NEW={s.n_q} new tokens per sequence, more than its S_CACHE={s.n_kv} tokens "
                     f"(S_CACHE counts the new ones): give B,H,[HKV,]S_NEW,S_CACHE,D with S_NEW <= S_CACHE")

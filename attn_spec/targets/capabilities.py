@@ -75,7 +75,7 @@ class Supports:
     dtypes: tuple[str, ...] = tuple(DTYPES)
     max_length: int | None = None  # the longest sequence it takes (None: no limit up to LENGTH_CEILING)
     gqa: bool = False  # a serving kernel: it takes grouped K/V heads (its properties draw them; Target.draws)
-    page_granule: int = 1  # a paged decode kernel: the smallest page size it takes (its pages are multiples of it)
+    page_granule: int = 1  # a decode kernel: the smallest page size it takes (pages drawn are multiples); 0: not paged
     why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
 
 

@@ -170,8 +170,9 @@ class DecodeTarget(Target):
 
     def draws(self) -> dict:
         """What its cases draw (attn_spec.targets.capabilities.Supports): grouped K/V heads where it takes them, pages
-        in multiples of the smallest page size it takes."""
-        return {"gqa": self.behaviour()["grouped-heads"] == "yes", "page_granule": page_granule(self)}
+        in multiples of the smallest page size it takes (none where it takes no block table)."""
+        return {"gqa": self.behaviour()["grouped-heads"] == "yes",
+                "page_granule": page_granule(self) if "block_table" in self.accepts else 0}
 
     def paged(self) -> str:
         """Whether the kernel is called with paged caches: it is when its signature takes block_table."""
