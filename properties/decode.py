@@ -23,9 +23,9 @@ from attn_spec.errors import KitUsageError, Unsupported
 F64 = torch.float64
 DECODE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "cache": True, "grouped": 1}
 AT_SCALE = {"cache": True}  # --shapes B,H,[HKV,]S_NEW,S_CACHE,D[,page=P] (attn_spec.checking.shapes.decode_case)
-# Tried first: two new tokens after cached ones, in elements of different lengths (where top-left and bottom-right
-# causal differ, and where one element's length used for all is wrong).
-EXAMPLES = (Case(batch=(2, 1), n_q=2, n_kv=5, d_k=2, d_v=2, cache_lengths=(5, 3), seed=11),)
+# Tried first: three new tokens after cached ones, in elements of different lengths (where top-left and bottom-right
+# causal differ, one element's length used for all is wrong, and a chunk of two must be masked inside).
+EXAMPLES = (Case(batch=(2, 1), n_q=3, n_kv=6, d_k=2, d_v=2, cache_lengths=(6, 4), seed=11),)
 
 
 def kv_heads(case) -> int:

@@ -32,9 +32,10 @@ def _paged_only(target):
 
 
 # The hand-picked edges every paged property tries first (each also drawn): page 1; a page of 3, which divides no
-# length here; a page longer than every sequence; spare pages in the pool; lengths that differ across the batch.
-EXAMPLES = (Case(batch=(2, 1), n_q=1, n_kv=3, d_k=1, d_v=1, cache_lengths=(3, 2), page_size=1, spare_pages=1, seed=11),
-            Case(batch=(2, 1), n_q=2, n_kv=4, d_k=2, d_v=2, cache_lengths=(4, 2), page_size=3, spare_pages=2, seed=12),
+# length here; a page longer than every sequence; spare pages in the pool; lengths that differ across the batch;
+# several queries (so the order of the keys matters under causal) and seeds whose tables are out of physical order.
+EXAMPLES = (Case(batch=(2, 1), n_q=3, n_kv=5, d_k=1, d_v=1, cache_lengths=(5, 4), page_size=1, spare_pages=1, seed=11),
+            Case(batch=(2, 1), n_q=2, n_kv=7, d_k=2, d_v=2, cache_lengths=(7, 4), page_size=3, spare_pages=2, seed=12),
             Case(batch=(3, 1), n_q=1, n_kv=4, d_k=2, d_v=2, cache_lengths=(4, 1, 2), page_size=9, spare_pages=3,
                  seed=13))
 PAGED_CASES = {**DECODE_CASES, "pages": True}

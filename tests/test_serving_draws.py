@@ -107,7 +107,7 @@ def test_a_kernel_wrong_at_four_splits_or_more_is_drawn_and_shrunk_to_4():
     assert result.case.num_splits == 4 and "num_splits=4" in result.counterexample.reproduce
 
 
-def test_a_kernel_that_reads_the_first_elements_length_for_all_is_shrunk_to_two_lengths():
+def test_a_kernel_that_reads_the_first_elements_length_for_all_shows_two_lengths():
     """cache_seqlens[0] used for every element: the counterexample has two elements of different lengths."""
     def kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False):
         return decode_kernel(q, k_cache, v_cache, k, v, cache_seqlens[:1].expand(q.shape[0]).clone(), causal=causal)
