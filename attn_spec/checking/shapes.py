@@ -20,7 +20,7 @@ snippet rebuilds that case. Small sizes stay the drawn profiles' job.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -87,7 +87,7 @@ class Rung:
     shape: Shape
     dtype: str
     device: str
-    ladder: bool = False  # one of the scale profile's shapes (a decode kernel decodes one token over its length)
+    ladder: bool = field(default=False, compare=False)  # a scale profile shape: a decode kernel decodes one token there
 
     def __str__(self) -> str:
         return f"{self.shape} {self.dtype} {self.device}"
