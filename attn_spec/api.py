@@ -145,8 +145,9 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     each convention's own; additive float masks are part of the sdpa, torch-mha and flex conventions,
     and of hf where Hugging Face builds float masks).
     ``shapes``: check at these fixed shapes instead of drawn ones, e.g. ``["1,8,4096,128",
-    "1,32,8,1,32768,128"]`` (B,H,N,D or B,H,HKV,NQ,NKV,D), on the accelerator if there is one (or
-    ``devices``), in what kernels run there (or ``dtypes``); the ``scale`` profile is a ladder of them.
+    "1,32,8,1,32768,128"]`` (B,H,N,D or B,H,[HKV,]NQ,NKV,D; a decode kernel's B,H,[HKV,]S_NEW,S_CACHE,D[,page=P]),
+    on the accelerator if there is one (or ``devices``), in what kernels run there (or ``dtypes``); the ``scale``
+    profile is a ladder of them.
 
     >>> report = attn_spec.check(my_attention, profile="quick")
     >>> report.conforms, print(report)

@@ -42,9 +42,13 @@ class SettingError(KitUsageError):
 
 
 def _shape(item: str) -> str | None:
-    fields = item.split(",")
-    if len(fields) not in (4, 6) or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
-        return f"{item!r} is not B,H,N,D or B,H,HKV,NQ,NKV,D (positive integers)"
+    fields = [f.strip() for f in item.split(",")]
+    paged = fields[-1].startswith("page=")  # a decode kernel's page size
+    if paged:
+        fields[-1] = fields[-1][len("page="):]
+    if len(fields) - paged not in (4, 5, 6) or not all(f.isdigit() and int(f) > 0 for f in fields):
+        return (f"{item!r} is not B,H,N,D, B,H,NQ,NKV,D or B,H,HKV,NQ,NKV,D, nor a decode kernel's "
+                f"B,H,[HKV,]S_NEW,S_CACHE,D[,page=P] (positive integers)")
     return None
 
 
@@ -134,8 +138,10 @@ _SETTINGS = (
     Setting("hf-config", "a Hugging Face model's config.json for hf targets: its fields join module.config, and "
             "num_key_value_heads < num_attention_heads makes grouped-query attention required", metavar="FILE",
             paths="file"),
-    Setting("shapes", "check at these fixed shapes instead of drawn ones: B,H,N,D or B,H,HKV,NQ,NKV,D "
-            "(grouped-query or cross attention), on the accelerator if there is one, in the dtypes asked (default: "
+    Setting("shapes", "check at these fixed shapes instead of drawn ones: B,H,N,D or B,H,[HKV,]NQ,NKV,D "
+            "(grouped-query or cross attention; a varlen kernel: B packed sequences of up to NQ, NKV tokens; a decode "
+            "kernel: B,H,[HKV,]S_NEW,S_CACHE,D[,page=P], B sequences of up to S_CACHE cached tokens, the last S_NEW "
+            "decoded, in pages of P), on the accelerator if there is one, in the dtypes asked (default: "
             "float32 on the CPU, bfloat16 and float16 on a GPU), with every property that applies at that size",
             kind="list", split=r"\s+", item=_shape, metavar="SHAPE", unset="drawn"),
 )

@@ -1,10 +1,11 @@
 """KV-cache decoding (the ``decode`` convention, attn_spec.targets.serving_decode): what a kernel that serves a
 model must compute from a cache, whatever it reads and writes to get there.
 
-A case is read as a batch of decode calls: B = the case's first batch dim, H = the product of the others,
-D = d_k, S_new = min(n_q, n_kv) new tokens, and per batch element a sequence of L_b keys, L_b drawn from the
-case's seed in [S_new, n_kv]. The cache has n_kv + 2 rows, so every element has spare rows past its end,
-filled with stale values (or NaN, where the property says they must not matter).
+A case is read as a batch of decode calls: B = the case's first batch dim, H = the product of the others (H_kv
+key/value heads where the case has ``kv_heads``: its last dim grouped), D = d_k, S_new = min(n_q, n_kv) new
+tokens, and per batch element a sequence of L_b keys, the case's drawn ``cache_lengths`` in [S_new, n_kv] (every
+one n_kv where it has none). The cache has n_kv + 2 rows, so every element has spare rows past its end, filled with
+stale values (or NaN, where the property says they must not matter).
 """
 from __future__ import annotations
 
@@ -15,25 +16,37 @@ import torch
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.checking.cases import _values
+from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
-from attn_spec.errors import Unsupported
+from attn_spec.errors import KitUsageError, Unsupported
 
 F64 = torch.float64
-DECODE_CASES = {"masks": ("none",), "batch": True, "same_width": True}
+DECODE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "cache": True, "grouped": 1}
+AT_SCALE = {"cache": True}  # --shapes B,H,[HKV,]S_NEW,S_CACHE,D[,page=P] (attn_spec.checking.shapes.decode_case)
+# Tried first: three new tokens after cached ones, in elements of different lengths (where top-left and bottom-right
+# causal differ, one element's length used for all is wrong, and a chunk of two must be masked inside).
+EXAMPLES = (Case(batch=(2, 1), n_q=3, n_kv=6, d_k=2, d_v=2, cache_lengths=(6, 4), seed=11),)
+
+
+def kv_heads(case) -> int:
+    """H_kv: the product of the case's head dims, its last one ``kv_heads`` where it has them (grouped)."""
+    heads = case.batch[1:]
+    return math.prod(heads[:-1]) * case.kv_heads if case.kv_heads and heads else math.prod(heads)
 
 
 def decode_inputs(case, *, leftpad=False):
-    """(q [B, S, H, D], k_full, v_full [B, n_kv + 2, H, D], lengths [B], leftpad [B] or None) in the case's dtype.
+    """(q [B, S, H, D], k_full, v_full [B, n_kv + 2, H_kv, D], lengths [B], leftpad [B] or None) in the case's dtype.
 
     Row t < L_b of k_full/v_full is token t of element b's sequence; rows from L_b on are stale values of
     some other sequence. With ``leftpad``, element b's first leftpad_b < L_b - S rows are padding."""
-    B, H = case.batch[0], math.prod(case.batch[1:])
+    B, H, H_kv = case.batch[0], math.prod(case.batch[1:]), kv_heads(case)
     S, D, n = min(case.n_q, case.n_kv), case.d_k, case.n_kv
     gen = torch.Generator().manual_seed(case.seed)
-    lengths = torch.randint(S, n + 1, (B,), generator=gen, dtype=torch.int32)  # [B], each in [S, n]
+    lengths = torch.tensor(case.cache_lengths or (n,) * B, dtype=torch.int32)  # [B], each in [S, n]
+    if lengths.shape != (B,) or not bool(((lengths >= S) & (lengths <= n)).all()):
+        raise KitUsageError(f"cache_lengths {list(case.cache_lengths)}: expected {B} lengths in [{S}, {n}]")
     draw = lambda *shape: _values(gen, shape, case.values, case.magnitude).to(case.torch_dtype)  # noqa: E731
-    q, k_full, v_full = draw(B, S, H, D), draw(B, n + 2, H, D), draw(B, n + 2, H, D)
+    q, k_full, v_full = draw(B, S, H, D), draw(B, n + 2, H_kv, D), draw(B, n + 2, H_kv, D)
     pad = None
     if leftpad:
         room = (lengths - S).clamp_min(0)  # [B]: rows that may be padding
@@ -42,8 +55,11 @@ def decode_inputs(case, *, leftpad=False):
 
 
 def last_rows_reference(q, k_full, v_full, b, start, end):
-    """Element b's S queries as the last S of its sequence over keys [start, end): (q, k, v [H, ., D], out64)."""
-    q_b, k_b, v_b = (t[b].transpose(0, 1) for t in (q, k_full[:, start:end], v_full[:, start:end]))  # [H, ., D]
+    """Element b's S queries as the last S of its sequence over keys [start, end): (q, k, v [H, ., D], out64); grouped
+    K/V heads repeated to the query heads (head h reads K/V head h // g)."""
+    group = q.shape[2] // k_full.shape[2]
+    k_b, v_b = (t[b, start:end].repeat_interleave(group, 1).transpose(0, 1) for t in (k_full, v_full))  # [H, L, D]
+    q_b = q[b].transpose(0, 1)  # [H, S, D]
     out, _ = reference.attention(q_b, k_b, v_b, causal=True, causal_alignment="bottom-right")  # [H, S, D]
     return q_b, k_b, v_b, out
 
@@ -51,7 +67,7 @@ def last_rows_reference(q, k_full, v_full, b, start, end):
 @prop("decode-equals-full-causal", family="serving",
       statement="decoding S_new tokens from a cache of L - S_new (appended) or L (already filled) rows gives the last "
                 "S_new rows of full causal attention over the L tokens",
-      conventions=("decode",), cases=DECODE_CASES,
+      conventions=("decode",), cases=DECODE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="decode(q_{L-S:L}, cache_{<L-S}, k_new, v_new) = causal(Q, K, V)_{L-S:L}  (bottom-right)",
                     latex=r"\mathrm{decode}(q_{L-S:L}, \mathrm{cache}_{<L-S}, k_{new}, v_{new}) = "
                           r"\mathrm{causal}(Q, K, V)_{L-S:L}",
@@ -98,7 +114,8 @@ def _why_decode_differs(target) -> str:
 @prop("cache-outside-invariance", family="serving",
       statement="cache rows outside [cache_leftpad, cache_seqlens), and the rows the append overwrites, set to NaN "
                 "change nothing in the output",
-      conventions=("decode",), cases=DECODE_CASES, after=("decode-equals-full-causal",),
+      conventions=("decode",), cases=DECODE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
+      after=("decode-equals-full-causal",),
       lesson=Lesson(unicode="decode(cache with rows ∉ [pad, len) = NaN) = decode(cache)   bitwise",
                     latex=r"\mathrm{decode}(\mathrm{cache}[r \notin [pad, len)] = \mathrm{NaN}) = \mathrm{decode}"
                           r"(\mathrm{cache})",
@@ -150,7 +167,7 @@ def cache_outside_invariance(target, case):
 @prop("append-writes-exactly", family="serving",
       statement="appending k, v writes exactly cache rows [cache_seqlens, cache_seqlens + S_new) of each element, "
                 "bitwise, and no other row",
-      conventions=("decode",), cases=DECODE_CASES,
+      conventions=("decode",), cases=DECODE_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="cache'[b, r] = k_new[b, r - len_b] if len_b <= r < len_b + S else cache[b, r]",
                     latex=r"\mathrm{cache}'_{b,r} = k_{new,b,r-\ell_b}\ \text{if}\ \ell_b \le r < \ell_b + S,\ "
                           r"\mathrm{cache}_{b,r}\ \text{otherwise}",

@@ -2,11 +2,12 @@
 block table must compute, whatever page size and page order the pool has.
 
 A case is read as decode_inputs reads it (properties/decode.py): B elements, each a sequence of L_b tokens, S_new
-of them new. The pool is paged: a page size P drawn from the case's seed (1, a non-divisor, or larger than the
-sequence; a multiple of the smallest page size the kernel takes where it refuses page 1, as flash-attn 2 takes
-multiples of 256 only), a block table of max_blocks = ceil((n_kv + 2) / P) + 1 or + 2 columns (so some listed
-pages are past every sequence's end), and a pool of B * max_blocks + 1..3 pages (spare pages no element lists),
-the table a random permutation of the pool. Row r of element b lies in page block_table[b, r // P], offset r % P.
+of them new. The pool is paged: the case's drawn page size P (``page_size``: page 1, non-divisors and pages longer
+than the sequence among them; a multiple of the smallest page size the kernel takes where it refuses page 1, as
+flash-attn 2 takes multiples of 256 only), a block table of max_blocks = ceil((n_kv + 2) / P) + 1 columns (so some
+listed pages are past every sequence's end), and a pool of B * max_blocks + ``spare_pages`` pages (spare pages no
+element lists), the table a random permutation of the pool drawn from the seed. Row r of element b lies in page
+block_table[b, r // P], offset r % P.
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import torch
 
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.checking.cases import _values
+from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.properties.decode import DECODE_CASES, decode_inputs, last_rows_reference
+from attn_spec.properties.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
 from attn_spec.targets.serving_decode import page_granule
 
 F64 = torch.float64
@@ -30,16 +31,31 @@ def _paged_only(target):
         raise Unsupported(f"{target.name} takes no block_table (its caches are contiguous only)", total=True)
 
 
-def page_layout(case, n_rows, *, granule=1, extra=None):
-    """(page size P, block_table int32 [B, max_blocks], num_blocks) drawn from the case's seed, for n_rows rows; P is
-    a multiple of ``granule``, the smallest page size the kernel takes (the header's "page sizes")."""
+# The hand-picked edges every paged property tries first (each also drawn): page 1; a page of 3, which divides no
+# length here; a page longer than every sequence; spare pages in the pool; lengths that differ across the batch;
+# several queries (so the order of the keys matters under causal) and seeds whose tables are out of physical order.
+EXAMPLES = (Case(batch=(2, 1), n_q=3, n_kv=5, d_k=1, d_v=1, cache_lengths=(5, 4), page_size=1, spare_pages=1, seed=11),
+            Case(batch=(2, 1), n_q=2, n_kv=7, d_k=2, d_v=2, cache_lengths=(7, 4), page_size=3, spare_pages=2, seed=12),
+            Case(batch=(3, 1), n_q=1, n_kv=4, d_k=2, d_v=2, cache_lengths=(4, 1, 2), page_size=9, spare_pages=3,
+                 seed=13))
+PAGED_CASES = {**DECODE_CASES, "pages": True}
+DEFAULT_PAGE = 16  # a case without a page size (one made by hand, or --shapes without page=P): vLLM's default block
+
+
+def page_size(case, granule=1) -> int:
+    """The case's page size (or DEFAULT_PAGE), rounded up to a multiple of ``granule``, the smallest page size the
+    kernel takes (the header's "page sizes")."""
+    return -(-(case.page_size or DEFAULT_PAGE) // granule) * granule
+
+
+def page_layout(case, n_rows, *, granule=1, extra=1):
+    """(page size P, block_table int32 [B, max_blocks], num_blocks) for n_rows rows: P the case's (page_size),
+    max_blocks = ceil(n_rows / P) + ``extra`` columns, the case's spare pages in the pool; the table a permutation
+    drawn from the case's seed."""
     gen = torch.Generator().manual_seed(case.seed + 1)
-    choices = (1, 2, 3, int(torch.randint(1, n_rows + 1, (1,), generator=gen)), n_rows + 1)
-    P = choices[int(torch.randint(len(choices), (1,), generator=gen))]
-    P = P if granule == 1 else granule * (1 + int(torch.randint(2, (1,), generator=gen)))  # granule or twice it
-    extra = int(torch.randint(1, 3, (1,), generator=gen)) if extra is None else extra
+    P = page_size(case, granule)
     max_blocks = math.ceil(n_rows / P) + extra
-    num_blocks = case.batch[0] * max_blocks + int(torch.randint(1, 4, (1,), generator=gen))
+    num_blocks = case.batch[0] * max_blocks + case.spare_pages
     table = torch.randperm(num_blocks, generator=gen)[:case.batch[0] * max_blocks]  # distinct pages, scrambled
     return P, table.view(case.batch[0], max_blocks).to(torch.int32), num_blocks
 
@@ -85,7 +101,7 @@ def _new_rows(full, seqlens, S):
 @prop("paged-equals-contiguous", family="serving",
       statement="decoding from a paged cache (any page size, pages in any order, spare pages in the pool and the "
                 "table) gives the last S_new rows of full causal attention, as the contiguous cache does",
-      conventions=("decode",), cases=DECODE_CASES,
+      conventions=("decode",), cases=PAGED_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="decode(q, pool, block_table) = causal(Q, K, V)_{L-S:L},  K_r = pool[table[b, r // P], r % P]",
                     latex=r"\mathrm{decode}(q, \mathrm{pool}, T) = \mathrm{causal}(Q, K, V)_{L-S:L},\ "
                           r"K_r = \mathrm{pool}_{T_{b, \lfloor r/P \rfloor}, r \bmod P}",
@@ -126,7 +142,8 @@ def paged_equals_contiguous(target, case):
 @prop("paged-outside-invariance", family="serving",
       statement="pool slots a sequence does not own (the last page's tail past its length, the pages the block "
                 "table lists past it, the pool's spare pages) set to NaN change nothing in the output",
-      conventions=("decode",), cases=DECODE_CASES, after=("paged-equals-contiguous",),
+      conventions=("decode",), cases=PAGED_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
+      after=("paged-equals-contiguous",),
       lesson=Lesson(unicode="decode(pool with slots ∉ rows(table, [0, len)) = NaN) = decode(pool)   bitwise",
                     latex=r"\mathrm{decode}(\mathrm{pool}[s \notin \mathrm{rows}(T, [0, \ell))] = \mathrm{NaN}) = "
                           r"\mathrm{decode}(\mathrm{pool})",
@@ -181,7 +198,7 @@ def paged_outside_invariance(target, case):
 @prop("paged-append-writes-exactly", family="serving",
       statement="appending k, v to a paged cache writes exactly the slots of rows [cache_seqlens, cache_seqlens + "
                 "S_new) through the block table, bitwise, and no other slot of the pool",
-      conventions=("decode",), cases=DECODE_CASES,
+      conventions=("decode",), cases=PAGED_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="pool'[table[b, r // P], r % P] = k_new[b, r - len_b] for len_b <= r < len_b + S; "
                             "pool' = pool elsewhere",
                     latex=r"\mathrm{pool}'_{T_{b,\lfloor r/P \rfloor}, r \bmod P} = k_{new,b,r-\ell_b}\ (\ell_b \le r "
@@ -231,7 +248,7 @@ def paged_append_writes_exactly(target, case):
 @prop("paged-capacity-contract", family="serving",
       statement="a length past the block table's capacity (max_blocks * page) raises; a length exactly at capacity "
                 "does not, and decodes right",
-      conventions=("decode",), cases=DECODE_CASES,
+      conventions=("decode",), cases=PAGED_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="len_b + S > max_blocks · P  ⇒  raise;   len_b + S = max_blocks · P  ⇒  decode",
                     latex=r"\ell_b + S > n_{blocks} P \Rightarrow \mathrm{raise},\quad \ell_b + S = n_{blocks} P "
                           r"\Rightarrow \mathrm{decode}",

@@ -10,8 +10,8 @@ from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.properties.decode import DECODE_CASES, decode_inputs, last_rows_reference
-from attn_spec.properties.paged import page_layout, to_pages
+from attn_spec.properties.decode import AT_SCALE, EXAMPLES, decode_inputs, last_rows_reference
+from attn_spec.properties.paged import PAGED_CASES, page_layout, to_pages
 from attn_spec.targets.serving_decode import page_granule
 
 F64 = torch.float64
@@ -28,7 +28,8 @@ def chunk_sizes(case, total: int) -> list[int]:
 @prop("chunked-prefill-equals-one-shot", family="serving",
       statement="appending S_new tokens in chunks, one call each (the cache growing between calls), gives the "
                 "rows and the cache of one call over all S_new tokens",
-      conventions=("decode",), cases=DECODE_CASES, after=("decode-equals-full-causal",),
+      conventions=("decode",), cases=PAGED_CASES, examples=EXAMPLES, at_scale=AT_SCALE,
+      after=("decode-equals-full-causal",),
       lesson=Lesson(unicode="concat_c decode(q_c, cache + chunks_{<c}) = decode(q, cache) = causal(Q, K, V)_{L-S:L}",
                     latex=r"\mathrm{concat}_c\,\mathrm{decode}(q_c, \mathrm{cache} + k_{<c}) = "
                           r"\mathrm{causal}(Q, K, V)_{L-S:L}",
@@ -83,7 +84,7 @@ def chunked_prefill_equals_one_shot(target, case):
 
 def _layouts(target, case, k_full, v_full):
     """(name, block_table or None, (k_cache, v_cache)): the contiguous cache, and a paged copy of it where the kernel
-    takes a block table (page size and order drawn as properties/paged.py draws them)."""
+    takes a block table (the case's page size, the order drawn as properties/paged.py draws it)."""
     yield "contiguous", None, (k_full, v_full)
     if "block_table" in target.accepts:
         P, table, num_blocks = page_layout(case, k_full.shape[1], granule=page_granule(target))

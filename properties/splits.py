@@ -8,21 +8,26 @@ from __future__ import annotations
 
 from attn_spec.checking.assertions import assert_close
 from attn_spec.checking.catalog import Lesson, prop
+from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.properties.decode import DECODE_CASES, decode_inputs, last_rows_reference
+from attn_spec.properties.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
 
-SPLITS = (1, 2, 3, 0)  # 0: the kernel's own choice (flash-attn's default)
+SPLITS = (1, 2, 3, 0)  # 0: the kernel's own choice (flash-attn's default); a case without num_splits tries each
+# Each of SPLITS tried first, on a batch whose sequences (5 and 3 tokens) no split count divides evenly.
+EXAMPLES = tuple(Case(batch=(2, 1), n_q=1, n_kv=5, d_k=2, d_v=2, values="normal", cache_lengths=(5, 3), num_splits=n,
+                      seed=21) for n in SPLITS)
 
 
 @prop("split-kv-agree", family="serving",
-      statement="every num_splits (1, 2, 3 and the kernel's own choice, 0) decodes the same rows: the last rows of "
-                "full causal attention",
-      conventions=("decode",), cases=DECODE_CASES, after=("decode-equals-full-causal",),
+      statement="every num_splits (drawn; 1, 2, 3 and the kernel's own choice, 0, first) decodes the same rows: the "
+                "last rows of full causal attention",
+      conventions=("decode",), cases={**DECODE_CASES, "splits": True}, examples=EXAMPLES, at_scale=AT_SCALE,
+      after=("decode-equals-full-causal",),
       lesson=Lesson(unicode="decode(…, num_splits = n) = causal(Q, K, V)_{L-S:L}  for every n",
                     latex=r"\mathrm{decode}(\ldots, n_{splits}=n) = \mathrm{causal}(Q,K,V)_{L-S:L}\ \forall n",
-                    check="Decodes the same cache with num_splits 1, 2, 3 and 0 and compares each with the float64 "
-                          "last rows of causal attention, within the same-dtype budget.",
+                    check="Decodes the cache with the case's num_splits (drawn; 1, 2, 3 and 0 first) and compares the "
+                          "rows with the float64 last rows of causal attention, within the same-dtype budget.",
                     example="merge"))
 def split_kv_agree(target, case):
     """out(num_splits = n) = softmax(q K^T / sqrt(d) + M) V for every n: the partial results of the key chunks
@@ -36,7 +41,7 @@ def split_kv_agree(target, case):
         raise Unsupported(f"{target.name} takes no num_splits argument", total=True)
     q, k_full, v_full, lengths, _ = decode_inputs(case)
     S = q.shape[1]
-    for splits in SPLITS:
+    for splits in (SPLITS if case.num_splits is None else (case.num_splits,)):
         out = target.decode(q, k_full.clone(), v_full.clone(), lengths.to(q.device), causal=True,
                             num_splits=splits)  # [B, S, H, D]: every token already in the cache
         for b, length in enumerate(lengths.tolist()):

@@ -2,8 +2,9 @@
 lengths laid end to end, ``cu_seqlens`` saying where each one starts, attended as if each were alone.
 
 A case is read as a packed batch: its ``segments`` ((n_q, n_kv) of each sequence, drawn from 0 up) cut Q, K and V
-along the sequence axis, H = the product of its batch dims heads, D = d_k (= d_v). Where the kernel takes
-``causal`` and ``window_size``, each property checks those calls too.
+along the sequence axis, H = the product of its batch dims heads (H_kv key/value heads where the case has
+``kv_heads``, drawn where the kernel takes grouped heads), D = d_k (= d_v). Where the kernel takes ``causal``,
+``window_size`` and ``softcap``, each property checks those calls too.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import torch
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import _values
-from attn_spec.checking.tolerance import budget
+from attn_spec.checking.tolerance import budget, softcap_budget
 from attn_spec.errors import Uninformative
 from attn_spec.targets.serving_varlen import cu_seqlens, segment_mask, varlen_reference
 
 F64 = torch.float64
-VARLEN_CASES = {"masks": ("none",), "batch": True, "same_width": True, "segments": True}
+VARLEN_CASES = {"masks": ("none",), "batch": True, "same_width": True, "segments": True, "grouped": 0}
+CAPS = (1.0, 5.0, 20.0, 50.0)  # softcap values (Gemma 2 caps attention logits at 50), one per case from its seed
 AT_SCALE = {"segments": True}  # --shapes B,H,N,D: B sequences of up to N tokens (attn_spec.checking.shapes.packed_case)
 
 
@@ -37,8 +39,9 @@ def packed_inputs(case, segments=None):
 
 
 def option_sets(target, case) -> list[dict]:
-    """The calls to check: plain, then causal and a window drawn from the case's seed where the kernel takes them
-    (flash-attn's window_size (left, right), aligned bottom-right per sequence like causal)."""
+    """The calls to check: plain, then causal, a window drawn from the case's seed and a softcap where the kernel takes
+    them (flash-attn's window_size (left, right), aligned bottom-right per sequence like causal; softcap c: scores
+    c tanh(s / c) before the mask, causal too where it takes causal)."""
     calls = [{}]
     if target.takes("causal"):
         calls.append({"causal": True})
@@ -48,6 +51,8 @@ def option_sets(target, case) -> list[dict]:
         calls.append({"window": (left, -1 if right == 3 else right)})
         if target.takes("causal"):
             calls.append({"window": (left, 0), "causal": True})
+    if target.takes("softcap"):
+        calls.append({"softcap": CAPS[case.seed % len(CAPS)], **({"causal": True} if target.takes("causal") else {})})
     return calls
 
 
@@ -92,7 +97,11 @@ def judge_segments(target, out, args, options, call: str) -> None:
                                window=options.get("window"))  # [n_q, n_k]
         seen = allowed.any(dim=-1)  # [n_q]: rows with a key; the others must be 0
         ref_b = ref[rows].transpose(0, 1)  # [H, n_q, Dv]
-        limit = budget(q_b[:, seen], k_b, v_b, allowed[seen], ref_b[:, seen]) if seen.any() else 0.0
+        limit = 0.0
+        if seen.any() and options.get("softcap"):
+            limit = softcap_budget(q_b[:, seen], k_b, v_b, allowed[seen], ref_b[:, seen], options["softcap"])
+        elif seen.any():
+            limit = budget(q_b[:, seen], k_b, v_b, allowed[seen], ref_b[:, seen])
         assert_close(out[rows].transpose(0, 1), ref_b, budget=limit, call=call,
                      what=f"sequence {b} (n_q = {q_b.shape[1]}, n_k = {k_b.shape[1]}) vs attention over it alone",
                      cause=lambda: _why_differs(target, options))
@@ -112,19 +121,22 @@ def _why_differs(target, options) -> str:
       conventions=("varlen",), cases=VARLEN_CASES, at_scale=AT_SCALE,
       lesson=Lesson(unicode="varlen(Q, K, V, cu_q, cu_k)[cu_q[b]:cu_q[b+1]] = attn(Q_b, K_b, V_b)   for every b",
                     latex=r"\mathrm{varlen}(Q, K, V)_{[cu^q_b, cu^q_{b+1})} = \mathrm{attn}(Q_b, K_b, V_b)\ \forall b",
-                    check="Calls the kernel on the packed batch (plain, causal and with a window where it takes them) "
-                          "and compares each sequence's rows with float64 attention over that sequence alone, within "
-                          "the same-dtype budget; rows with no key to attend must be 0.",
+                    check="Calls the kernel on the packed batch (plain, causal, with a window and a softcap where it "
+                          "takes them) and compares each sequence's rows with float64 attention over that sequence "
+                          "alone (grouped K/V heads repeated to the query heads), within the same-dtype budget; rows "
+                          "with no key to attend must be 0.",
                     example="varlen"))
 def varlen_equals_per_sequence(target, case):
-    """out[cu_q[b] : cu_q[b + 1]] = softmax(Q_b K_b^T / sqrt(d) + M_b) V_b for every sequence b, with Q_b the rows
+    """out[cu_q[b] : cu_q[b + 1]] = softmax(cap(Q_b K_b^T / sqrt(d)) + M_b) V_b for every sequence b, with Q_b the rows
     [cu_q[b], cu_q[b + 1]) of Q (K_b, V_b likewise by cu_k) and M_b causal or windowed around key position
-    i + n_k - n_q (bottom-right per sequence).
+    i + n_k - n_q (bottom-right per sequence), cap(s) = c tanh(s / c) with a softcap c (else s), and K_b, V_b's
+    head h // g read by query head h (g = H / H_kv).
 
     Why: packing removes the padding of a batch; it must not change what any sequence computes, or a model served
     packed answers differently from the same model run one request at a time. Catches: cu_seqlens ignored (one
     softmax over the whole packed batch, HunyuanVideo PR #310; a causal triangle over packed positions, pytorch
-    #177378), causal aligned top-left per sequence, segment offsets read one row off.
+    #177378), causal aligned top-left per sequence, segment offsets read one row off, the softcap ignored, grouped
+    K/V heads mapped to the wrong query heads (tiled, h % H_kv, where flash-attn reads h // g).
     """
     args = packed_inputs(case)
     if not args[0].shape[0]:
@@ -222,10 +234,11 @@ def varlen_degenerate_lengths(target, case):
     """
     gen = torch.Generator().manual_seed(case.seed + 4)
     H, D = max(1, math.prod(case.batch)), case.d_k
+    H_kv = H // case.batch[-1] * case.kv_heads if case.kv_heads else H  # grouped: the last head dim's kv_heads
     for segments in degenerate_batches(case):
         T_q, T_k = (sum(s[i] for s in segments) for i in (0, 1))
-        q, k, v = (_values(gen, (n, H, D), case.values, case.magnitude).to(case.torch_dtype).to(case.device)
-                   for n in (T_q, T_k, T_k))  # [T, H, D]
+        q, k, v = (_values(gen, (n, heads, D), case.values, case.magnitude).to(case.torch_dtype).to(case.device)
+                   for n, heads in ((T_q, H), (T_k, H_kv), (T_k, H_kv)))  # [T, H, D], [T_k, H_kv, D]
         args = packed(q, k, v, segments)
         for options in [{}] + ([{"causal": True}] if target.takes("causal") else []):
             judge_segments(target, run(target, args, options), args, options, _call_text(target, args, options))

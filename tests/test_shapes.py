@@ -27,15 +27,18 @@ sys.path.insert(0, str(ROOT / "examples"))
 import blocked_attention  # noqa: E402
 
 
-def test_shapes_parse_in_both_forms():
+def test_shapes_parse_in_every_form():
     assert Shape.parse("1,8,4096,128") == Shape(1, 8, 8, 4096, 4096, 128)
+    assert Shape.parse("1,8,1,4096,128") == Shape(1, 8, 8, 1, 4096, 128)  # B,H,NQ,NKV,D: cross attention
+    assert str(Shape.parse("1,8,1,4096,128")) == "1,8,1,4096,128"
     assert Shape.parse("2,32,8,1,32768,128") == Shape(2, 32, 8, 1, 32768, 128)
     assert Shape.parse((1, 2, 3, 4)) == Shape(1, 2, 2, 3, 3, 4)
     assert str(Shape.parse("1,8,4096,128")) == "1,8,4096,128"
     assert str(Shape.parse("2,32,8,1,32768,128")) == "2,32,8,1,32768,128"
 
 
-@pytest.mark.parametrize("text", ["1,8,4096", "1,8,0,64", "1,a,4,4", "1,8,3,16,16,64", ""])
+@pytest.mark.parametrize("text", ["1,8,4096", "1,8,0,64", "1,a,4,4", "1,8,3,16,16,64", "", "1,2,3,4,5,6,7",
+                                  "1,2,3,4,page=0"])
 def test_bad_shapes_are_usage_errors_naming_the_shape(text):
     with pytest.raises(KitUsageError) as info:
         Shape.parse(text)
@@ -71,6 +74,9 @@ def test_each_property_either_has_cases_at_fixed_shapes_or_says_why_not():
                 assert (case.batch, case.segments, case.kv_heads, case.d_k) == ((4,), ((8, 16),), 2, 4), prop.id
                 continue
             assert (case.batch, case.n_q, case.n_kv, case.d_k, case.dtype) == ((1, 4), 8, 16, 4, "float32")
+            if case.cache_lengths:  # a decode property: 1 sequence of 16 tokens, the last 8 decoded, 4 heads over 2
+                assert (case.cache_lengths, case.kv_heads) == ((16,), 2), prop.id
+                continue
             assert case.kv_heads == (2 if prop.id == "gqa-equivalence" else 0)
     grouped = properties.REGISTRY["gqa-equivalence"]
     assert "HKV < H" in shapes.fixed_cases(grouped, "sdpa", Rung(Shape.parse("1,4,8,4"), "float32", "cpu"), 1)

@@ -197,6 +197,7 @@ def test_profiles_are_ordered_quick_default_thorough():
         assert lo.small <= hi.small and lo.max_batch_dims <= hi.max_batch_dims
         assert max(lo.lengths, default=0) <= max(hi.lengths) and max(lo.dims, default=0) <= max(hi.dims)
         assert set(lo.magnitudes) <= set(hi.magnitudes)
+        assert max(lo.pages, default=0) <= max(hi.pages) and lo.max_splits <= hi.max_splits
     assert max(default.lengths) > 100 and max(default.dims) >= 256
 
 
@@ -232,12 +233,14 @@ def _sizes(cell: str, small: int, large: tuple[int, ...]) -> None:
 def test_docstring_profile_table_matches_profiles():
     table = _docstring_table()
     assert list(table) == [name for name, prof in PROFILES.items() if not prof.ladder]
-    for name, (_, examples, lengths, dims, batch) in table.items():
+    for name, (_, examples, lengths, dims, batch, pages, splits) in table.items():
         prof = PROFILES[name]
         assert int(examples) == prof.max_examples, name
         _sizes(lengths, prof.small, prof.lengths)
         _sizes(dims, prof.small, prof.dims)
         assert batch == f"up to {prof.max_batch_dims}", name
+        _sizes(pages, prof.small, prof.pages)
+        assert splits == f"0..{prof.max_splits}", name
 
 
 # -- argument validation ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_flash_attn_signature_is_detected_and_probed():
     target = make_target(flash_attn_varlen_func)
     assert target.convention == "varlen" and target.dialect == "flash"
     assert target.behaviour() == {"causal-alignment": "bottom-right per sequence", "lse-layout": "[H, T_q]",
-                                  "lse-base": "e", "lse-empty-row": "-inf"}
+                                  "lse-base": "e", "lse-empty-row": "-inf", "grouped-heads": "yes"}
     assert target.accepts == {"softmax_scale", "causal", "window_size", "softcap", "return_attn_probs"}
     assert make_target(varlen_top_left).behaviour()["causal-alignment"] == "top-left per sequence"
 
@@ -140,7 +140,7 @@ def test_flexattention_with_a_document_mask_is_a_varlen_kernel():
     sequence, its LSE natural-log, [H, T_q], -inf for a row with no key (one property here: eager Flex is slow)."""
     target = make_target(load_target(f"{KERNELS}:flex_varlen"))
     assert target.behaviour() == {"causal-alignment": "bottom-right per sequence", "lse-layout": "[H, T_q]",
-                                  "lse-base": "e", "lse-empty-row": "-inf"}
+                                  "lse-base": "e", "lse-empty-row": "-inf", "grouped-heads": "yes"}
     report = attn_spec.check(target, profile="quick", seed=0, dtypes=["float32"], only=["varlen-equals-per-sequence"])
     assert report.conforms, str(report)
 

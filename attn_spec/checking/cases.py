@@ -77,10 +77,16 @@ class Case:
     kv_heads: int = 0  # grouped-query attention: K and V have this many heads on the last batch dim (0: as Q)
     segments: tuple = ()  # a packed batch (the varlen convention): ((n_q, n_kv) of each sequence, ...), whose
     #                       sums are n_q and n_kv; lengths may be 0. Empty: one dense batch
+    # A batch of decode calls (the decode convention, properties/decode.py), B = batch[0]:
+    cache_lengths: tuple = ()  # each element's sequence length L_b in [min(n_q, n_kv), n_kv]; empty: every one n_kv
+    page_size: int = 0  # a paged cache's page size (properties/paged.py); 0: pages of 16 (vLLM's default block)
+    spare_pages: int = 0  # pages of the pool that no block table lists
+    num_splits: int | None = None  # the split-KV setting decoded with (0: the kernel's own); None: 1, 2, 3 and 0
 
     def __post_init__(self):  # a case read back from JSON has lists: kept as tuples (a case is hashable)
         object.__setattr__(self, "batch", tuple(self.batch))
         object.__setattr__(self, "segments", tuple(tuple(int(n) for n in pair) for pair in self.segments))
+        object.__setattr__(self, "cache_lengths", tuple(int(n) for n in self.cache_lengths))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -151,6 +157,12 @@ class Case:
             parts.append("heads split by view(B, n, H, d).transpose(1, 2)")
         if self.segments:
             parts.append(f"packed segments (n_q, n_kv) {' '.join(f'({q}, {k})' for q, k in self.segments)}")
+        if self.cache_lengths:
+            parts.append(f"cache lengths {list(self.cache_lengths)}")
+        if self.page_size:
+            parts.append(f"pages of {self.page_size}, {self.spare_pages} spare")
+        if self.num_splits is not None:
+            parts.append(f"num_splits={self.num_splits}")
         return ", ".join(parts)
 
 

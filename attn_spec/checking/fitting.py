@@ -43,6 +43,10 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     taken = [d for d in dtypes if d in supports.dtypes]
     if not taken:
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
+    if prop.case_options.get("grouped") is not None and not supports.gqa:
+        options["grouped"] = None  # a serving kernel that declines grouped K/V heads (the header's "grouped heads")
+    if prop.case_options.get("pages"):  # no page drawn for a kernel that takes no block table
+        options["pages"], options["page_granule"] = supports.page_granule > 0, max(1, supports.page_granule)
     if not prop.uses_multihead(convention):  # multi-head cases fit themselves (properties.inputs.cross_or_self)
         needs_cross, needs_batch = prop.case_options.get("cross"), prop.case_options.get("batch")
         for ok, needed, option, what, capability in (
@@ -76,4 +80,9 @@ def fit_case(case, options: dict, dtypes, devices):
             case = case.replace(batch=(), layout="contiguous")
         if options.get("same_width"):
             case = case.replace(d_v=case.d_k)
+        if case.kv_heads and "grouped" in options and options["grouped"] is None:
+            case = case.replace(kv_heads=0)
+        granule = options.get("page_granule", 1)
+        if case.page_size % granule:
+            case = case.replace(page_size=granule)
     return case

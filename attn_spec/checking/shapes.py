@@ -1,9 +1,13 @@
 """Fixed shapes: check a target at the sizes it runs (``--shapes``, ``shapes=``, the ``scale`` profile).
 
-A shape is ``B,H,N,D`` (self-attention: B sequences of H heads, N positions, head dim D) or
-``B,H,HKV,NQ,NKV,D`` (grouped-query attention with HKV key/value heads, cross attention with
-NQ queries over NKV keys). For a varlen kernel the same shape is a packed batch: B sequences of up to NQ
-queries over up to NKV keys (lengths drawn from the seed, the first sequence the longest; ``packed_case``).
+A shape is ``B,H,N,D`` (self-attention: B sequences of H heads, N positions, head dim D),
+``B,H,NQ,NKV,D`` (cross attention with NQ queries over NKV keys) or ``B,H,HKV,NQ,NKV,D`` (grouped-query attention
+with HKV key/value heads). For a varlen kernel the same shape is a packed batch: B sequences of up to NQ queries
+over up to NKV keys (lengths drawn from the seed, the first sequence the longest; ``packed_case``). For a decode
+kernel it is ``B,H,[HKV,]S_NEW,S_CACHE,D[,page=P]``: B sequences of up to S_CACHE tokens in the cache, the last
+S_NEW of each decoded (S_CACHE counts them; the first sequence the longest, the others' lengths drawn from the seed
+in [S_NEW, S_CACHE]), a paged cache in pages of P rows (``decode_case``; default 16, or the kernel's smallest); on the
+scale ladder a decode kernel decodes one new token over each length.
 A *rung* is one shape in one dtype on one device.
 
 How a fixed shape flows through the catalog: each property says in ``@prop(at_scale=...)``
@@ -16,7 +20,7 @@ snippet rebuilds that case. Small sizes stay the drawn profiles' job.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,6 +34,9 @@ DEVICE_DTYPES = {"cpu": ("float32",), "cuda": ("bfloat16", "float16"), "mps": ("
 # costs about 4 n^2 d flops per head (16k keys at d=256: 11 s on this 2-core machine).
 SCALE_LENGTHS = {"cpu": (1024, 4096, 16384), "gpu": (1024, 4096, 16384, 32768, 65536, 131072)}
 SCALE_HEAD_DIMS = (64, 128, 256)
+USAGE = ("expected B,H,N,D, B,H,NQ,NKV,D or B,H,HKV,NQ,NKV,D with positive integers, a decode kernel's "
+         "B,H,[HKV,]S_NEW,S_CACHE,D optionally followed by ,page=P (e.g. 1,8,4096,128, 1,32,8,1,32768,128 or "
+         "4,32,8,1,4096,128,page=256)")
 
 
 @dataclass(frozen=True)
@@ -40,32 +47,39 @@ class Shape:
     n_q: int
     n_kv: int
     d: int
+    page: int = 0  # a decode kernel's page size (",page=P"); 0: not given
 
     @classmethod
     def parse(cls, text) -> "Shape":
-        """``"B,H,N,D"`` or ``"B,H,HKV,NQ,NKV,D"`` (or a tuple of those ints); a KitUsageError otherwise."""
+        """``"B,H,N,D"``, ``"B,H,NQ,NKV,D"`` or ``"B,H,HKV,NQ,NKV,D"``, each optionally followed by ``",page=P"`` (or a
+        tuple of those ints); a KitUsageError otherwise."""
         if isinstance(text, Shape):
             return text
+        fields = text.replace("x", ",").split(",") if isinstance(text, str) else list(text)
+        paged = bool(fields) and str(fields[-1]).strip().startswith("page=")
         try:
-            parts = [int(x) for x in (text.replace("x", ",").split(",") if isinstance(text, str) else text)]
+            page = int(fields.pop().strip()[len("page="):]) if paged else 0
+            parts = [int(x) for x in fields]
         except (TypeError, ValueError):
             parts = []
-        if len(parts) == 4:
-            b, h, n, d = parts
-            parts = [b, h, h, n, n, d]
-        if len(parts) != 6 or min(parts) < 1:
-            raise KitUsageError(f"shape {text!r}: expected B,H,N,D or B,H,HKV,NQ,NKV,D with positive integers "
-                                f"(e.g. 1,8,4096,128 or 1,32,8,1,32768,128)")
-        shape = cls(*parts)
+        if len(parts) in (4, 5):  # B,H,N,D or B,H,NQ,NKV,D: as many key/value heads as query heads
+            b, h, *lengths, d = parts
+            parts = [b, h, h, lengths[0], lengths[-1], d]
+        if len(parts) != 6 or min(parts) < 1 or (paged and page < 1):
+            raise KitUsageError(f"shape {text!r}: {USAGE}")
+        shape = cls(*parts, page=page)
         if shape.heads % shape.kv_heads:
             raise KitUsageError(f"shape {text!r}: H={shape.heads} query heads is not a multiple of "
                                 f"HKV={shape.kv_heads} key/value heads")
         return shape
 
     def __str__(self) -> str:
+        page = f",page={self.page}" if self.page else ""
         if self.kv_heads == self.heads and self.n_q == self.n_kv:
-            return f"{self.batch},{self.heads},{self.n_q},{self.d}"
-        return f"{self.batch},{self.heads},{self.kv_heads},{self.n_q},{self.n_kv},{self.d}"
+            return f"{self.batch},{self.heads},{self.n_q},{self.d}{page}"
+        if self.kv_heads == self.heads:
+            return f"{self.batch},{self.heads},{self.n_q},{self.n_kv},{self.d}{page}"
+        return f"{self.batch},{self.heads},{self.kv_heads},{self.n_q},{self.n_kv},{self.d}{page}"
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class Rung:
     shape: Shape
     dtype: str
     device: str
+    ladder: bool = field(default=False, compare=False)  # a scale profile shape: a decode kernel decodes one token there
 
     def __str__(self) -> str:
         return f"{self.shape} {self.dtype} {self.device}"
@@ -103,7 +118,7 @@ def rungs(shapes, *, dtypes=None, devices=None) -> list[Rung]:
     out = []
     for device in devices:
         for shape in (parse_shapes(shapes) if shapes is not None else ladder(device)):
-            out += [Rung(shape, dtype, device) for dtype in (dtypes or DEVICE_DTYPES[device])]
+            out += [Rung(shape, dtype, device, ladder=shapes is None) for dtype in (dtypes or DEVICE_DTYPES[device])]
     return out
 
 
@@ -122,6 +137,12 @@ def fixed_cases(prop, convention: str, rung: Rung, seed: int) -> list | str:
                 for i, mask in enumerate(m for m in options.get("masks", ("none",)) if m in ("none", "causal"))]
     if options.get("segments"):  # a packed batch (the varlen convention): B sequences of up to NQ, NKV tokens
         return [packed_case(s, rung, seed)]
+    if options.get("cache"):  # a batch of decode calls (the decode convention)
+        s = replace(s, n_q=1) if rung.ladder else s  # the scale ladder: one new token over each length
+        if s.n_q > s.n_kv:
+            return (f"shape {s} decodes S_NEW={s.n_q} new tokens per sequence, more than its S_CACHE={s.n_kv} tokens "
+                    f"(S_CACHE counts the new ones): give B,H,[HKV,]S_NEW,S_CACHE,D with S_NEW <= S_CACHE")
+        return [decode_case(s, rung, seed)]
     kv_heads = 0
     if options.get("grouped"):
         if s.kv_heads == s.heads:
@@ -143,3 +164,15 @@ def packed_case(shape: Shape, rung: Rung, seed: int) -> Case:
     return Case(batch=(shape.heads,), n_q=sum(n_q), n_kv=sum(n_kv), d_k=shape.d, d_v=shape.d, values="normal",
                 seed=seed, kv_heads=shape.kv_heads if shape.kv_heads != shape.heads else 0,
                 segments=tuple(zip(n_q, n_kv)), dtype=rung.dtype, device=rung.device)
+
+
+def decode_case(shape: Shape, rung: Rung, seed: int) -> Case:
+    """A shape read as a batch of decode calls: B sequences of H query heads (HKV key/value heads) of up to S_CACHE =
+    NKV tokens, the last S_NEW = NQ of each decoded; the first sequence S_CACHE long, the others' lengths drawn from
+    the seed in [S_NEW, S_CACHE]; pages of ``page`` rows where the kernel is paged (properties/paged.py; 0: its
+    default)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [shape.n_kv] + torch.randint(shape.n_q, shape.n_kv + 1, (shape.batch - 1,), generator=gen).tolist()
+    return Case(batch=(shape.batch, shape.heads), n_q=shape.n_q, n_kv=shape.n_kv, d_k=shape.d, d_v=shape.d,
+                values="normal", seed=seed, kv_heads=shape.kv_heads if shape.kv_heads != shape.heads else 0,
+                cache_lengths=tuple(lengths), page_size=shape.page, spare_pages=1, dtype=rung.dtype, device=rung.device)

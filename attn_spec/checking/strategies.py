@@ -9,14 +9,24 @@ non-contiguous view, ``Case.layout == "heads"``).
 
 Profiles set the budget:
 
-========  ========  ==============================  ======================  ==========
-profile   examples  lengths (n_q, n_kv)             head dims (d_k, d_v)    batch dims
-========  ========  ==============================  ======================  ==========
-quick     6         1..6                            1..6                    up to 2
-default   15        1..8, or 17, 64, 113, 130       1..8, or 32, 59, 128,   up to 2
+========  ========  ==============================  ======================  ==========  ===========  ==========
+profile   examples  lengths (n_q, n_kv)             head dims (d_k, d_v)    batch dims  page sizes   num_splits
+========  ========  ==============================  ======================  ==========  ===========  ==========
+quick     6         1..6                            1..6                    up to 2     1..6         0..3
+default   15        1..8, or 17, 64, 113, 130       1..8, or 32, 59, 128,   up to 2     1..8, or 16  0..4
                                                     256
-thorough  120       1..12, or up to 512             1..12, or up to 256     up to 3
-========  ========  ==============================  ======================  ==========
+thorough  120       1..12, or up to 512             1..12, or up to 256     up to 3     1..12, or    0..8
+                                                                                        16, 64, 256
+========  ========  ==============================  ======================  ==========  ===========  ==========
+
+Serving cases draw more (properties/decode.py, paged.py, splits.py, varlen.py): a decode case each element's
+cache length in [S_new, n_kv]; a paged one its page size (from the table; multiples of the kernel's smallest page
+where it takes no other) and 0..3 spare pages in the pool; a split-KV one its ``num_splits`` (0: the kernel's own
+choice); a varlen one its segments, each (n_q, n_kv) from 0 up. Where the kernel takes grouped heads, decode and
+varlen cases draw H = g * H_kv query heads over H_kv = 1 or 2 key/value heads, g in 1..3. All of them shrink
+(towards the shortest caches, page 1, no spare page, num_splits 0, no grouping), and the hand-picked edges
+(page 1, a non-divisor, a page longer than the sequence; num_splits 1, 2, 3, 0; zero-length segments) are each
+property's explicit examples.
 
 A fourth profile, ``scale``, draws nothing: a check runs a fixed ladder of shapes
 (``attn_spec.checking.shapes.ladder``: lengths 1k, 4k, 16k on the CPU, up to 128k on a GPU, head
@@ -45,16 +55,20 @@ class Profile:
     dims: tuple[int, ...]  # ... and these larger head dims
     max_batch_dims: int
     magnitudes: tuple[float, ...]  # entry scales; large ones make the softmax nearly one-hot
+    pages: tuple[int, ...] = ()  # paged caches: page sizes from 1..small, and sometimes these larger ones
+    max_splits: int = 3  # split-KV decoding: num_splits from 0..max_splits
     ladder: bool = False  # check the fixed shapes of attn_spec.checking.shapes.ladder instead of drawing
 
 
 PROFILES = {
-    "quick": Profile("quick", 6, 6, (), (), 2, (1.0, 3.0)),
-    "default": Profile("default", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0)),
+    "quick": Profile("quick", 6, 6, (), (), 2, (1.0, 3.0), max_splits=3),
+    "default": Profile("default", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), pages=(16,),
+                       max_splits=4),
     "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
-                        3, (0.1, 1.0, 3.0, 8.0)),
+                        3, (0.1, 1.0, 3.0, 8.0), pages=(16, 64, 256), max_splits=8),
     # Draws like default when asked to (strategies.cases("scale")), but a check runs the ladder.
-    "scale": Profile("scale", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), ladder=True),
+    "scale": Profile("scale", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), pages=(16,),
+                     max_splits=4, ladder=True),
 }
 
 
@@ -116,7 +130,8 @@ def built_once(make):
 def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=None,
           masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
           min_n_kv: int = 1, square: bool = False, same_width: bool = False,
-          max_length: int | None = None, segments: bool = False) -> st.SearchStrategy[Case]:
+          max_length: int | None = None, segments: bool = False, cache: bool = False, pages: bool = False,
+          page_granule: int = 1, splits: bool = False, grouped: int | None = None) -> st.SearchStrategy[Case]:
     """Attention cases for one profile.
 
     - ``dtypes``: dtype names drawn from, first one preferred when shrinking (default all four).
@@ -131,6 +146,11 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     - ``segments``: a packed batch of 1 to 4 sequences (the varlen convention), each (n_q, n_kv) drawn like
       the lengths but from 0 up (an empty sequence, or one with no key, is a case of its own); n_q and n_kv
       are their sums.
+    - ``cache``: a batch of decode calls (batch[0] elements): each element's cache length in [min(n_q, n_kv), n_kv];
+      ``pages``: a page size (a multiple of ``page_granule``, the kernel's smallest) and 0..3 spare pages;
+      ``splits``: a num_splits in 0..the profile's max_splits.
+    - ``grouped``: the batch dims from this one on are heads, and the last of them is drawn grouped: g * H_kv query
+      heads over H_kv key/value heads (``kv_heads``; 0 where g = 1). None: never grouped.
 
     Examples shrink towards one query, one key, width 1, float64, integer entries.
     """
@@ -155,6 +175,11 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     segment = {big: st.tuples(s, s) for big, s in ((False, st.integers(0, prof.small)),
                                                      (True, st.one_of(st.integers(0, prof.small), length)))}
     packed = {big: st.lists(segment[big], min_size=1, max_size=4).map(tuple) for big in (False, True)}
+    page_sizes = (sizes(prof.small, prof.pages) if page_granule == 1
+                  else st.sampled_from((page_granule, 2 * page_granule)))  # the kernel's smallest page, or twice it
+    paged = st.tuples(page_sizes, st.integers(0, 3))  # (page size, spare pages)
+    split_counts = st.integers(0, prof.max_splits)
+    grouping = st.tuples(st.integers(1, 2), st.integers(1, 3))  # (H_kv, g): shrinks to one head, no grouping
 
     @st.composite
     def draw(draw_):
@@ -180,6 +205,17 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
         if segments:
             fields["segments"] = draw_(packed[large])
             n_q, n_kv = (sum(pair[i] for pair in fields["segments"]) for i in (0, 1))
+        if grouped is not None and len(fields["batch"]) > grouped:
+            kv_heads, group = draw_(grouping)
+            if group > 1:
+                fields["batch"], fields["kv_heads"] = fields["batch"][:-1] + (kv_heads * group,), kv_heads
+        if cache:  # each element's sequence: S = min(n_q, n_kv) new tokens after L_b - S cached ones
+            lengths = st.integers(min(n_q, n_kv), n_kv)
+            fields["cache_lengths"] = tuple(draw_(lengths) for _ in range(fields["batch"][0]))
+        if pages:
+            fields["page_size"], fields["spare_pages"] = draw_(paged)
+        if splits:
+            fields["num_splits"] = draw_(split_counts)
         if len(fields["batch"]) < 2:
             fields["layout"] = "contiguous"  # the heads layout needs [..., B, H, n, d]
         return Case(n_q=n_q, n_kv=n_kv, d_k=d_k, d_v=d_v, **fields)

@@ -26,6 +26,7 @@ Examples:
   attn-spec check mymods.py:sliding_window_mask --expect-mask sliding-window:4
   attn-spec check mymods.py:tanh_softcap --expect-score softcap:50
   attn-spec check my.py:attention --shapes 1,8,4096,128 1,32,8,1,32768,128   # B,H,N,D or B,H,HKV,NQ,NKV,D
+  attn-spec check my.py:decode --shapes 4,32,8,1,32768,128,page=256   # B,H,[HKV,]S_NEW,S_CACHE,D[,page=P]
   attn-spec check torch.nn.functional:scaled_dot_product_attention --profile scale
 
 Every setting can also come from an environment variable (ATTN_SPEC_PROFILE=quick, ...) or the

@@ -165,6 +165,25 @@ def varlen_empty_row_nan(c):
     return {"out": out.masked_fill(torch.isneginf(lse).t()[..., None], math.nan)}
 
 
+@mistake("varlen-softcap-ignored", level="varlen", family="serving", caught_by=("varlen-equals-per-sequence",),
+         sentence="the softcap argument is ignored: scores are not capped to c tanh(s / c), so large scores keep "
+                  "their full weight",
+         fix="cap the scaled scores before the mask and the softmax: s = softcap * tanh(s / softcap) (flash-attn's "
+             "softcap; 0 means no cap)")
+def varlen_softcap_ignored(c):
+    return correct_varlen(c, softcap=None)
+
+
+@mistake("varlen-kv-heads-tiled", level="varlen", family="serving",
+         caught_by=("varlen-equals-per-sequence", "varlen-degenerate-lengths"),
+         sentence="grouped K/V heads are tiled (query head h reads K/V head h % H_kv, repeat) instead of grouped "
+                  "(h // g, repeat_interleave, as flash-attn reads them)",
+         fix="query head h attends K/V head h // (H / H_kv): k.repeat_interleave(H // H_kv, dim=1), or index the "
+             "K/V head as h // g in the kernel")
+def varlen_kv_heads_tiled(c):
+    return correct_varlen(c, grouping="tiled")
+
+
 def _same(got, model, dtype) -> bool:
     """``got`` (the target's) equals ``model`` (float64) within a few units in the last place of ``dtype``, NaN
     where the target has NaN."""

@@ -35,10 +35,11 @@ def correct_merge(c) -> dict:
 
 
 def correct_varlen(c, **change) -> dict:
-    """varlen_reference on one recorded call, with ``change`` (cu_q, cu_k, alignment, key_shift) made to it."""
-    args = {"cu_q": c["cu_q"], "cu_k": c["cu_k"], **change}
+    """varlen_reference on one recorded call, with ``change`` (cu_q, cu_k, softcap, alignment, key_shift, grouping)
+    made to it."""
+    args = {"cu_q": c["cu_q"], "cu_k": c["cu_k"], "softcap": c["softcap"], **change}
     out, lse = varlen_reference(c["q"], c["k"], c["v"], args.pop("cu_q"), args.pop("cu_k"), causal=c["causal"],
-                                window=c["window"], scale=c["scale"], softcap=c["softcap"], **args)
+                                window=c["window"], scale=c["scale"], **args)
     return {"out": out, "lse": lse}
 
 

@@ -74,6 +74,8 @@ class Supports:
     dropout: bool = False  # a dropout_p argument that drops weights (the dropout properties; else they are skips)
     dtypes: tuple[str, ...] = tuple(DTYPES)
     max_length: int | None = None  # the longest sequence it takes (None: no limit up to LENGTH_CEILING)
+    gqa: bool = False  # a serving kernel: it takes grouped K/V heads (its properties draw them; Target.draws)
+    page_granule: int = 1  # a decode kernel: the smallest page size it takes (pages drawn are multiples); 0: not paged
     why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
 
 
@@ -247,9 +249,9 @@ def _supports(values: dict, reasons: dict) -> Supports:
 
 def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
     """What ``target`` takes: probed once (on its first use, unless a check probed it already), then kept.
-    A FlexAttention mod is no attention to probe: its own properties draw what they need."""
-    if not getattr(target, "is_attention", True):
-        return Supports()
+    A FlexAttention mod or a serving kernel is no attention to probe: its own properties draw what they need."""
+    if not getattr(target, "is_attention", True):  # a serving kernel says what it takes (grouped heads, page sizes)
+        return Supports(**getattr(target, "draws", dict)())
     if getattr(target, "supported", None) is None:
         probe_capabilities(target, dtypes, device)
     return target.supported

@@ -164,8 +164,15 @@ class DecodeTarget(Target):
         found = self.behaviour()
         return [f"decode: causal alignment {found['causal-alignment']}, writes the cache: {found['writes-cache']}, "
                 f"LSE: {found['lse-base']}, LSE of an empty row: {found['lse-empty-row']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
-                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}; paged caches: {self.paged()}"
+                f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}; grouped heads (H_kv < H): "
+                f"{found['grouped-heads']}; paged caches: {self.paged()}"
                 + (f", page sizes: {found['page-sizes']}" if "block_table" in self.accepts else "")]
+
+    def draws(self) -> dict:
+        """What its cases draw (attn_spec.targets.capabilities.Supports): grouped K/V heads where it takes them, pages
+        in multiples of the smallest page size it takes (none where it takes no block table)."""
+        return {"gqa": self.behaviour()["grouped-heads"] == "yes",
+                "page_granule": page_granule(self) if "block_table" in self.accepts else 0}
 
     def paged(self) -> str:
         """Whether the kernel is called with paged caches: it is when its signature takes block_table."""
@@ -280,5 +287,18 @@ def page_granule(target) -> int:
     return int(found.split()[2]) if found.startswith("multiples of") else 1
 
 
+def grouped_heads(target) -> str:
+    """One query of 4 heads over a cache of 3 rows of 2 key/value heads (flash-attn's caches [B, S_c, H_kv, D]):
+    "yes" where the kernel takes it (the properties then draw grouped heads; whether it groups them right is theirs
+    to check), "no" where it raises (they draw none)."""
+    q, k_cache, v_cache, seqlens = _tiny()
+    try:
+        target.decode(q.expand(1, 1, 4, 1).contiguous(), k_cache.expand(1, 4, 2, 1).contiguous(),
+                      v_cache.expand(1, 4, 2, 1).contiguous(), seqlens, causal=True)
+    except Exception as exc:  # noqa: BLE001 - the kernel declining grouped heads
+        return f"no ({type(getattr(exc, 'exc', exc)).__name__})"
+    return "yes"
+
+
 PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base,
-          "lse-empty-row": lse_empty_row, "page-sizes": page_sizes}
+          "lse-empty-row": lse_empty_row, "page-sizes": page_sizes, "grouped-heads": grouped_heads}

@@ -60,10 +60,11 @@ def segment_mask(n_q: int, n_k: int, *, causal=False, window=None, alignment="bo
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, *, causal=False, window=None, scale=None, softcap=None,
-                     alignment="bottom-right", key_shift=0):
+                     alignment="bottom-right", key_shift=0, grouping="blocked"):
     """What a correct varlen kernel computes, in float64: (out [T_q, H, Dv], lse [H, T_q] in base e). Grouped K/V
-    heads are repeated to the query heads; a row with no key has out 0, LSE -inf. ``alignment`` and
-    ``key_shift`` (segment b's keys read from rows [cu_k[b] + shift, cu_k[b + 1] + shift)) model mistakes."""
+    heads are repeated to the query heads (query head h reads K/V head h // g); a row with no key has out 0, LSE
+    -inf. ``alignment``, ``key_shift`` (segment b's keys read from rows [cu_k[b] + shift, cu_k[b + 1] + shift)) and
+    ``grouping="tiled"`` (query head h reads K/V head h % H_kv) model mistakes."""
     q, k, v = (t.detach().to("cpu", F64) for t in (q, k, v))
     T_q, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -75,7 +76,8 @@ def varlen_reference(q, k, v, cu_q, cu_k, *, causal=False, window=None, scale=No
         keys = slice(min(cu_k[b] + key_shift, k.shape[0]), min(cu_k[b + 1] + key_shift, k.shape[0]))
         group = H // k.shape[1]
         q_b = q[rows].transpose(0, 1)  # [H, n_q, D]
-        k_b, v_b = (t[keys].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))  # [H, n_k, D]
+        repeat = (lambda t: t.repeat(1, group, 1)) if grouping == "tiled" else (lambda t: t.repeat_interleave(group, 1))
+        k_b, v_b = (repeat(t[keys]).transpose(0, 1) for t in (k, v))  # [H, n_k, D]
         scores = scale * q_b @ k_b.transpose(1, 2)  # [H, n_q, n_k]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
@@ -224,7 +226,11 @@ class VarlenTarget(Target):
         return [f"varlen: causal alignment {found['causal-alignment']}, LSE: {found['lse-base']}, layout "
                 f"{found['lse-layout']}, LSE of an empty row: {found['lse-empty-row']}",
                 "calls: q [T_q, H, D], k, v [T_k, H_kv, D], cu_seqlens int32 [B + 1]; arguments it takes: "
-                f"{', '.join(sorted(self.accepts)) or 'none'}"]
+                f"{', '.join(sorted(self.accepts)) or 'none'}; grouped heads (H_kv < H): {found['grouped-heads']}"]
+
+    def draws(self) -> dict:
+        """What its cases draw (attn_spec.targets.capabilities.Supports): grouped K/V heads where it takes them."""
+        return {"gqa": self.behaviour()["grouped-heads"] == "yes"}
 
 
 def _packed(segments, values=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0), heads=1):
@@ -279,5 +285,17 @@ def lse_empty_row(target) -> str:
     return "-inf" if found == -math.inf else f"{found:g} (not neutral in a merge: the empty state's LSE is -inf)"
 
 
+def grouped_heads(target) -> str:
+    """One sequence of 4 query heads over 2 key/value heads (flash-attn's k [T_k, H_kv, D]): "yes" where the kernel
+    takes it (the properties then draw grouped heads; whether it groups them right is theirs to check), "no" where it
+    raises (they draw none)."""
+    q, k, v, *rest = _packed([(1, 3)], heads=4)
+    try:
+        target.varlen(q, k[:, :2], v[:, :2], *rest)
+    except Exception as exc:  # noqa: BLE001 - the kernel declining grouped heads
+        return f"no ({type(getattr(exc, 'exc', exc)).__name__})"
+    return "yes"
+
+
 PROBES = {"causal-alignment": causal_alignment, "lse-layout": lse_layout, "lse-base": lse_base,
-          "lse-empty-row": lse_empty_row}
+          "lse-empty-row": lse_empty_row, "grouped-heads": grouped_heads}

@@ -146,9 +146,14 @@ def paged_block_table_overrun(q, k_cache, v_cache, k=None, v=None, cache_seqlens
                               causal=False):
     return _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal,
                   table_row=lambda table, b, pages: table.flatten()[b * table.shape[1]:b * table.shape[1] + pages])
-def _varlen(q, k, v, cu_q, cu_k, *, causal, top_left=False, key_shift=0, ignore_segments=False, nan_empty=False):
+def _varlen(q, k, v, cu_q, cu_k, *, causal, top_left=False, key_shift=0, ignore_segments=False, nan_empty=False,
+            softcap=0.0, tiled=False):
     """A varlen kernel with one thing changeable: the causal alignment, the key offsets, whether cu_seqlens is read
-    at all, and whether a row with no key is guarded."""
+    at all, whether a row with no key is guarded, the softcap; grouped K/V heads repeat_interleaved to the query
+    heads, or tiled."""
+    if k.shape[1] != q.shape[1]:  # grouped heads
+        g = q.shape[1] // k.shape[1]
+        k, v = ((t.repeat(1, g, 1) if tiled else t.repeat_interleave(g, 1)) for t in (k, v))  # [T_k, H, D]
     if ignore_segments:  # the whole packed batch as one sequence, causal over packed positions
         cu_q, cu_k, top_left = [0, q.shape[0]], [0, k.shape[0]], True
     out = torch.zeros_like(q)  # [T_q, H, D]
@@ -156,6 +161,7 @@ def _varlen(q, k, v, cu_q, cu_k, *, causal, top_left=False, key_shift=0, ignore_
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
         keys = slice(min(int(cu_k[b]) + key_shift, k.shape[0]), min(int(cu_k[b + 1]) + key_shift, k.shape[0]))
         scores = q[rows].transpose(0, 1) @ k[keys].permute(1, 2, 0) / math.sqrt(q.shape[-1])  # [H, n_q, n_k]
+        scores = softcap * torch.tanh(scores / softcap) if softcap else scores
         n_q, n_k = scores.shape[1:]
         if causal:
             offset = 0 if top_left else n_k - n_q
@@ -318,3 +324,15 @@ def varlen_lse_reshaped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                         window_size=(-1, -1), return_attn_probs=False):
     return _lse_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
                        return_attn_probs, reshaped=True)
+
+
+@buggy("varlen-equals-per-sequence", bug="the softcap argument is accepted and ignored",
+       mistake="varlen-softcap-ignored", convention="varlen")
+def varlen_softcap_ignored(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softcap=0.0):
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal)
+
+
+@buggy("varlen-equals-per-sequence", bug="grouped K/V heads tiled (h % H_kv) instead of grouped (h // g)",
+       mistake="varlen-kv-heads-tiled", convention="varlen")
+def varlen_kv_heads_tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softcap=0.0):
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softcap=softcap, tiled=True)
