@@ -17,8 +17,9 @@ fresh draw, on the case's device, in its dtype (float32 for float16 and bfloat16
 target takes it: their budgets are too wide for the probe to tell). A correct attention's output
 moves as the reference's does, by far more than the budget; an output that moves by no more than
 the budget ignores that input. An output that varies from call to call (dropout left on, random
-numbers) is judged by its mean over several calls, within six standard errors. The verdict is kept per target, kind of call, dtype
-and device: the probe runs once, and every case of a run gets the same answer.
+numbers) is judged by its mean over several calls, within six standard errors. The verdict is kept per
+target, kind of call, dtype probed and device: the probe runs once (five calls for a deterministic target),
+every case of a run gets the same answer, and the float32, float16 and bfloat16 cases share one probe.
 """
 from __future__ import annotations
 
@@ -36,17 +37,15 @@ SIZE = 4  # the probe's lengths and widths
 TRIVIALLY = ", so this property would hold only trivially"
 NOISY_CALLS = 32  # calls averaged per input for a target whose output varies from call to call
 SEED = 20261130
+CANNOT = "cannot probe"  # a probe the target declined or failed in that dtype: the next dtype is tried
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(multihead, dtype, device): failure}
 
 
 def require_responsive(target, case) -> None:
     """Fail, as vacuous, if the target's output ignores Q, K or V (x for a multi-head module's forward)."""
-    verdicts = _VERDICTS.setdefault(target, {})
-    key = (isinstance(case, MhaCase), case.dtype, case.device)
-    if key not in verdicts:
-        verdicts[key] = _probe(target, case)
-    if verdicts[key] is not None:
-        fail(**verdicts[key], vacuous=True)
+    verdict = _verdict_for(target, case)
+    if verdict is not None:
+        fail(**verdict, vacuous=True)
 
 
 def ignored_inputs(target, case) -> str:
@@ -64,15 +63,30 @@ def _draws(case, seed, *shapes):
             for shape in shapes]
 
 
-def _probe(target, case) -> dict | None:
-    """The keywords of the vacuous failure if the output ignores an input; None if it responds to all."""
-    probe = _probe_module if isinstance(case, MhaCase) else _probe_function
+def _verdict_for(target, case) -> dict | None:
+    """The keywords of the vacuous failure if the output ignores an input; None if it responds to all.
+
+    Probed in float32 for a float16 or bfloat16 case, else in the case's dtype, falling back to the case's
+    own where the target declines float32; each probe's verdict is kept per target, kind of call, dtype and
+    device, so the cases of every dtype that probe in float32 share one probe."""
+    verdicts = _VERDICTS.setdefault(target, {})
+    multihead = isinstance(case, MhaCase)
     for dtype in dict.fromkeys(("float32" if case.dtype in ("float16", "bfloat16") else case.dtype, case.dtype)):
-        try:
-            return probe(target, case.replace(dtype=dtype))
-        except (Unsupported, Failure):
-            continue  # outside what the target handles
+        key = (multihead, dtype, case.device)
+        if key not in verdicts:
+            verdicts[key] = _probe(target, case.replace(dtype=dtype))
+        if verdicts[key] is not CANNOT:
+            return verdicts[key]
     return None  # the probe cannot tell: the property's own checks judge the target
+
+
+def _probe(target, case):
+    """The keywords of the vacuous failure, None if the output responds to every input, or CANNOT: the target
+    does not handle the probe's inputs in this dtype."""
+    try:
+        return (_probe_module if isinstance(case, MhaCase) else _probe_function)(target, case)
+    except (Unsupported, Failure):
+        return CANNOT
 
 
 def _varies(first, again) -> bool:
@@ -83,9 +97,13 @@ def _varies(first, again) -> bool:
     return not (torch.equal(a, b) or a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
-def _sampled(run, noisy: bool):
+def _sampled(run, noisy: bool, first=None):
     """(mean, standard error of the mean) of run()'s output, in float64 on the CPU, entry by entry:
-    over NOISY_CALLS calls when its output varies from call to call, else one call and 0."""
+    over NOISY_CALLS calls when its output varies from call to call, else one call (``first``, the output of a
+    call already made, if given) and 0."""
+    if not noisy and first is not None:
+        out = first.detach().to("cpu", torch.float64)
+        return out, torch.zeros_like(out)
     outs = torch.stack([run().detach().to("cpu", torch.float64) for _ in range(NOISY_CALLS if noisy else 1)])
     return outs.mean(dim=0), (outs.std(dim=0) / NOISY_CALLS ** 0.5 if noisy else torch.zeros_like(outs[0]))
 
@@ -101,8 +119,9 @@ def _probe_function(target, case) -> dict | None:
     q, k, v, *fresh = _draws(case, SEED, *[(SIZE, SIZE)] * 6)  # [T, D] each
     v, fresh[2] = 8 * v, 8 * fresh[2]  # values far apart: replacing V moves the output far beyond any noise
     mask = _mask(target, case)  # None, or [T, T] causal
-    noisy = _varies(target.attend(q, k, v, mask), target.attend(q, k, v, mask))
-    base, ref = _sampled(lambda: target.attend(q, k, v, mask), noisy), reference.attention(q, k, v, mask)[0]
+    first = target.attend(q, k, v, mask)
+    noisy = _varies(first, target.attend(q, k, v, mask))
+    base, ref = _sampled(lambda: target.attend(q, k, v, mask), noisy, first), reference.attention(q, k, v, mask)[0]
     changes = []
     for i, name in enumerate("QKV"):
         args = [q, k, v]
@@ -120,8 +139,9 @@ def _probe_module(target, case) -> dict | None:
 
     def run(inputs):
         return lambda: target.multihead(inputs, inputs, weights, h, mask)
-    noisy = _varies(run(x)(), run(x)())
-    base, moved = _sampled(run(x), noisy), _sampled(run(fresh), noisy)
+    first = run(x)()
+    noisy = _varies(first, run(x)())
+    base, moved = _sampled(run(x), noisy, first), _sampled(run(fresh), noisy)
     ref, ref_moved = reference.multihead(x, x, *w, h, mask)[0], reference.multihead(fresh, fresh, *w, h, mask)[0]
     allowed = max(multihead_budget(x, x, weights, h, mask, ref), multihead_budget(fresh, fresh, weights, h, mask,
                                                                                    ref_moved))

@@ -23,9 +23,11 @@ F64 = torch.float64
 @prop("matches-reference", family="values",
       statement="the output equals the float64 reference within the calibrated tolerance",
       after=("rows-sum-to-one", "scale-sqrt-dk", "causal-mask"), at_scale={"masks": ("none", "padding")},
-      examples=[Case(n_q=2, n_kv=3, d_k=2, d_v=2), Case(n_q=3, n_kv=3, d_k=4, d_v=2, mask="random", seed=3),
-                Case(batch=(2,), n_q=2, n_kv=2, d_k=3, d_v=3, values="normal", magnitude=3.0, seed=4),
-                Case(batch=(2, 3), n_q=3, n_kv=4, d_k=2, d_v=3, mask="random", seed=5, layout="heads")],
+      # Run first in a check (runner.RUN_FIRST), in the order of how many of the gallery's bugs each catches
+      # (of 118: heads 44, masked 42, plain 33, batched 30); a failing one is shrunk (checking.shrink).
+      examples=[Case(batch=(2, 3), n_q=3, n_kv=4, d_k=2, d_v=3, mask="random", seed=5, layout="heads"),
+                Case(n_q=3, n_kv=3, d_k=4, d_v=2, mask="random", seed=3), Case(n_q=2, n_kv=3, d_k=2, d_v=2),
+                Case(batch=(2,), n_q=2, n_kv=2, d_k=3, d_v=3, values="normal", magnitude=3.0, seed=4)],
       lesson=Lesson(unicode="|attn(Q, K, V) − ref₆₄(Q, K, V)| ≤ k·|naive − ref₆₄| + floor",
                     latex=r"\left|\mathrm{attn}(Q,K,V) - \mathrm{ref}_{64}(Q,K,V)\right| \le k\,\left|\mathrm{naive} - \mathrm{ref}_{64}\right| + \mathrm{floor}",
                     check="Compares the output with the float64 reference, elementwise, within a budget calibrated from "

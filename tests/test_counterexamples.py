@@ -102,9 +102,10 @@ def test_small_matrices_are_printed_whole():
     assert "…" not in whole and str(float(2 * CORNER - 1))[:2] in whole
     cut = format_matrix(torch.zeros(CORNER + 1, CORNER + 1))
     assert "…" in cut and "⋮" in cut and f"[{CORNER + 1}x{CORNER + 1}]" in cut
-    _, results = _gallery("no_scale", ["scale-sqrt-dk"])  # the probe at d_k = 16
-    ce = results["scale-sqrt-dk"].counterexample
-    assert "…" not in ce["inputs_text"] and "[2x16]" in ce["inputs_text"]
+    q = torch.arange(32, dtype=torch.float64).reshape(2, 16)  # [2, 16]: the scale probe's inputs at d_k = 16
+    ce = Counterexample.of(case={}, summary="", got=q[:1, :2], expected=q[:1, :2] + 1, labels=("got", "expected"),
+                           inputs={"q": q, "K": q}, seed=0, reproduce="")
+    assert "…" not in ce["inputs_text"] and "[2x16]" in ce["inputs_text"] and "31" in ce["inputs_text"]
 
 
 def test_a_counterexample_reads_back_from_its_json_as_it_was_written():

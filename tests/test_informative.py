@@ -78,6 +78,16 @@ def test_the_probe_runs_once_per_target_kind_dtype_and_device():
     assert target.calls > calls
 
 
+def test_the_cases_that_probe_in_float32_share_one_probe_of_five_calls():
+    """float16 and bfloat16 cases are probed in float32: their verdict is the float32 cases' (issue 25.5)."""
+    target = make_target(reference.reference_attention)
+    require_responsive(target, Case(dtype="float16"))
+    assert target.calls == 5  # twice as it is (is it noisy?), once with each of Q, K, V replaced
+    for dtype in ("float32", "bfloat16", "float16"):
+        require_responsive(target, Case(dtype=dtype, n_q=3, seed=2))
+    assert target.calls == 5
+
+
 def test_a_target_the_probe_cannot_call_is_not_judged_by_it():
     def batched_only(Q, K, V, mask=None):
         if Q.dim() < 3:

@@ -186,6 +186,11 @@ class Target:
     def fresh_instances(self) -> None:
         """Forget built module instances (a module keeping state between calls starts afresh); no-op here."""
 
+    def calls_per_attend(self, case) -> int:
+        """The calls into the user's code that one ``attend`` on ``case``'s tensors makes (a module: one per batch
+        element); the runner tries a property's explicit examples that cost the fewest calls first."""
+        return 1
+
     def _observe(self, kind: str, inputs: dict, thunk, label: str = "", state_key: tuple = ()):
         """``thunk()``, the call into the user's code, kept by the recorder when one is set."""
         if self.recorder is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
@@ -38,6 +39,9 @@ class ModuleTarget(Target):
 
     def fresh_instances(self) -> None:
         self._modules.clear()
+
+    def calls_per_attend(self, case) -> int:
+        return math.prod(getattr(case, "batch", ()))  # _attend calls the module once per batch element
 
     def _build(self, d_model, n_heads, weights, dtype, device):
         key = (d_model, n_heads, dtype, str(device))
