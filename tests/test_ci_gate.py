@@ -162,7 +162,7 @@ def test_terminal_colour_marks_only_the_differing_cells():
     coloured, plain = render(report, "text", colour=True), render(report, "text")
     assert RED in coloured and RED not in plain and RED not in report.to_markdown()
     # the probe's two weights both differ from sigmoid(1): both cells of "got" are marked
-    got_line = next(line for line in coloured.splitlines() if "0.4378" in line)
+    got_line = next(line for line in coloured.splitlines() if "0.2689" in line)  # expected: 1 - sigmoid(1)
     assert got_line.count(RED) == 4  # two cells of got, two of expected
     assert plain.replace(" ", "") == coloured.replace(RED, "").replace("\033[0m", "").replace(" ", "")
 

@@ -132,13 +132,18 @@ class SplitByView(_Heads):
         return t.reshape(self.h, t.size(0), self.d_k)  # bug: no transpose
 
 
-def _module_root(cls, only, *, probe=True, monkeypatch=None):
-    """The one root of a module checked on ``only`` (the first pass alone when ``probe`` is False)."""
+def _module_root(cls, only, monkeypatch, *, probe=True, shrunk=False):
+    """The one root of a module checked on ``only`` (the first pass alone when ``probe`` is False). The ties are
+    those of the property's examples as written: unless ``shrunk``, the kit's shrinking of a failing example
+    (checking.shrink) is left out, since it changes which call the diagnosis reads."""
     import attn_spec
+    import attn_spec.checking.runner as runner
     import attn_spec.diagnosis.run as run
 
     if not probe:
         monkeypatch.setattr(run, "separate_all", lambda roots, evidences, target: roots)
+    if not shrunk:
+        monkeypatch.setattr(runner, "shrink", lambda prop, target, failure, options, fit: failure)
     report = attn_spec.check(cls, name=cls.__name__, convention="module", profile="quick", seed=20261129, only=[only])
     roots = report.targets[0].diagnoses
     assert len(roots) == 1, [(d.mistake, d.explains) for d in roots]
@@ -159,27 +164,33 @@ MODULE_TIES = [
 def test_a_module_tie_exists_on_the_first_pass(cls, only, named, tie, monkeypatch):
     """d_model = 4 with 2 heads makes 1/sqrt(d_model), 1/d_head and 1/sqrt(4) one number; the scale probe's
     identity projections and two tokens make the heads' plumbing look like other softmax mistakes."""
-    root = _module_root(cls, only, probe=False, monkeypatch=monkeypatch)
+    root = _module_root(cls, only, monkeypatch, probe=False)
     assert {named, *tie} <= {root.mistake, *(mid for mid, _ in root.tied)}, (root.mistake, root.tied)
 
 
 @pytest.mark.parametrize("cls, only, named, tie", MODULE_TIES, ids=[c[0].__name__ for c in MODULE_TIES])
-def test_a_module_tie_is_told_apart_by_calling_it_with_other_heads_or_widths(cls, only, named, tie):
-    root = _module_root(cls, only)
+def test_a_module_tie_is_told_apart_by_calling_it_with_other_heads_or_widths(cls, only, named, tie, monkeypatch):
+    root = _module_root(cls, only, monkeypatch)
     assert root.mistake == named and root.second_probe and root.second_probe["picked"] == named, root.evidence
     assert tie <= set(root.second_probe["ruled_out"]) and not tie & set(root.ambiguous) and named not in root.ambiguous
     assert "second probe was run: the failing call's inputs with n_heads = 1 instead of 2" in root.evidence
     assert "ambiguous" not in root.evidence
 
 
+@pytest.mark.parametrize("cls, only, named, tie", MODULE_TIES, ids=[c[0].__name__ for c in MODULE_TIES])
+def test_a_module_bug_is_named_when_its_example_is_shrunk(cls, only, named, tie, monkeypatch):
+    """As a user runs it: the failing example shrunk first, then diagnosed (with the probe where a tie is left)."""
+    assert _module_root(cls, only, monkeypatch, shrunk=True).mistake == named
+
+
 def test_a_first_pass_pick_the_probe_rules_out_gives_way_to_a_survivor(monkeypatch):
     """The scale probe's calls fit batch-sequence-first as well as a split without transpose; 4 heads rule it out.
     What is left is two names for one computation (a split without transpose reads the heads' memory as if
     contiguous), so the root stays ambiguous between them, and names the module's own plumbing."""
-    first = _module_root(SplitByView, "scale-sqrt-dk", probe=False, monkeypatch=monkeypatch)
+    first = _module_root(SplitByView, "scale-sqrt-dk", monkeypatch, probe=False)
     assert first.mistake == "batch-sequence-first"
     monkeypatch.undo()
-    root = _module_root(SplitByView, "scale-sqrt-dk")
+    root = _module_root(SplitByView, "scale-sqrt-dk", monkeypatch)
     assert root.mistake == "heads-split-without-transpose" and root.ambiguous == ["assumes-contiguous"]
     assert "n_heads = 4 instead of 2 (assumes-contiguous, heads-split-without-transpose reproduce" in root.evidence
     assert root.second_probe is None

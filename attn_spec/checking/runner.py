@@ -195,14 +195,17 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     start, output = time.perf_counter(), None
     try:
         with _hypothesis_home_elsewhere(), capture() as output, _global_rng(seed, prop.id), counting(target):
+            explicit = None
             try:
                 hypothesis_seed(seed)(test)()
             except Failure as failure:
                 if failure.attn_case not in examples:
                     raise
+                explicit = failure
+            if explicit is not None:  # shrunk outside the except: the target's tracebacks chain to nothing of ours
                 # Hypothesis never shrinks an explicit example: the kit does (checking.shrink)
-                raise shrink(prop, target, failure, dict(prop.case_options, **fitted),
-                             lambda case: fit_case(case, fitted, dtypes, devices)) from None
+                raise shrink(prop, target, explicit, dict(prop.case_options, **fitted),
+                             lambda case: fit_case(case, fitted, dtypes, devices))
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
         result.vacuous = failure.vacuous
