@@ -4,7 +4,6 @@ The diagnosis of what failed comes after, above this floor (attn_spec.run.Run ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import tempfile
 import time
@@ -19,86 +18,21 @@ from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
 from attn_spec.targets.conventions import Target, conventions
-from attn_spec.checking.cases import DTYPES, MhaCase, available_devices
+from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
+from attn_spec.checking.counterexamples import counterexample
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
 from attn_spec.targets.capabilities import Supports, parse_capabilities, parse_length, probe_capabilities, supports
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
-from attn_spec.errors import Failure, PlatformDefect, TargetRaised, Uninformative, Unsupported
+from attn_spec.errors import Failure, PlatformDefect, Uninformative, Unsupported
 from attn_spec.checking.assertions import counting
 from attn_spec.checking.platform import judge
-from attn_spec.report import Counterexample, PropertyResult, TargetReport
+from attn_spec.report import PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.shrink import shrink
 from attn_spec.checking.strategies import get_profile
 from attn_spec.targets.record import differs, record
-
-
-def _snippet(prop: Property, case, target: Target, seed: int, call: str = "", own: bool = True) -> str:
-    """The copy-paste reproduction: the CLI line, the case, its tensors as the target got them (the mask and a
-    module's projection weights named; ``own``: the failing call took the case's own tensors, not a probe's),
-    the call that failed, and ``attn_spec.reproduce``."""
-    fields = ", ".join(f"{f.name}={getattr(case, f.name)!r}" for f in dataclasses.fields(case)
-                       if getattr(case, f.name) != f.default)
-    kind = type(case).__name__
-    options = dict(target.options())  # make_target keywords that rebuild it: layout, expect_mask, expect_score
-    flags = "".join(f" --{key.replace('_', '-')} {' '.join(value) if isinstance(value, list) else value}"
-                    for key, value in options.items())
-    if target.required:  # a required capability changes what a property judges (hf: GQA)
-        flags += f" --require {' '.join(sorted(target.required))}"
-        options["require"] = sorted(target.required)
-    if tuple(target.masks) != tuple(target.default_masks):  # masks the user declared
-        flags += f" --masks {','.join(target.masks)}"
-        options["masks"] = tuple(target.masks)
-    keywords = "".join(f", {key}={value!r}" for key, value in options.items())
-    return (f"# attn-spec check {target.name} --only {prop.id} --seed {seed}{flags}\n"
-            f"import attn_spec\nfrom attn_spec.cases import {kind}\n"
-            f"case = {kind}({fields})\n{_tensors_line(case, target) if own else ''}"
-            + (f"# the call that failed: {call}\n" if call else "") +
-            f"attn_spec.reproduce({prop.id!r}, {target.name!r}, case, convention={target.convention!r}{keywords})")
-
-
-def _tensors_line(case, target: Target) -> str:
-    """The line that draws the case's tensors, saying what the mask and a module's projections are."""
-    mask = {"none": "", "causal": "mask: the causal mask", "random": "mask: a random one",
-            "padding": "mask: key padding"}.get(getattr(case, "mask", "none"), f"mask: {case.mask}")
-    mask = f"{mask}, True = may attend" if mask else "no mask"
-    if isinstance(case, MhaCase):
-        return (f"x_q, x_kv, weights, mask = case.tensors()  # {mask}; weights: W_Q, W_K, W_V, W_O "
-                f"[{case.d_model}, {case.d_model}], loaded into the module's projections; {case.n_heads} heads\n")
-    if target.convention not in conventions(kind="attention"):  # a mod or a serving kernel: not called on Q, K, V
-        return ""
-    if target.convention in conventions(kind="attention", multihead=True):
-        mask += (f"; {target.name} is called through the kit's own projections that select Q, K and V "
-                 f"(one head; attn_spec.targets.modules)")
-    return f"Q, K, V, mask = case.tensors()  # {mask}\n"
-
-
-def _counterexample(prop, failure: Failure, case, target: Target, seed: int) -> Counterexample:
-    """What the failure showed, as data (the report's renderers write it)."""
-    labels = failure.labels or ("the target's result", "the float64 reference")
-    inputs = failure.inputs or ({} if failure.summary else _inputs(case))  # a mod's counterexample has no Q, K, V
-    summary = failure.summary or case.summary()
-    if failure.inputs:
-        summary = "the call's inputs: " + ", ".join(f"{name} {list(t.shape)}" for name, t in inputs.items()
-                                                    if t is not None)
-    mask = failure.mask  # the allowed pattern a property chose to show (a window, a mask_mod)
-    if mask is None and "weights" in labels[0] and isinstance(failure.got, torch.Tensor):
-        mask = inputs.get("mask")
-    return Counterexample.of(case=dataclasses.asdict(case), summary=summary, got=failure.got,
-                             expected=failure.expected, labels=labels, inputs=inputs, seed=seed,
-                             reproduce=_snippet(prop, case, target, seed, failure.call, own=not failure.inputs),
-                             mask=mask,
-                             traceback=failure.user_traceback if isinstance(failure, TargetRaised) else None)
-
-
-def _inputs(case) -> dict:
-    """The case's tensors by name, as the target got them (a module's projections are drawn from the seed too)."""
-    if isinstance(case, MhaCase):  # with the projection weights the module was loaded with
-        x_q, x_kv, weights, mask = case.tensors()
-        return {"x_q": x_q, "x_kv": x_kv, "mask": mask, **weights}
-    return dict(zip(("Q", "K", "V", "mask"), case.tensors()))
 
 
 @contextlib.contextmanager
@@ -209,7 +143,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     except Failure as failure:
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
         result.vacuous = failure.vacuous
-        result.counterexample = _counterexample(prop, failure, failure.attn_case, target, seed)
+        result.counterexample = counterexample(prop, failure, failure.attn_case, target, seed)
         result.case = failure.attn_case
     except Unsatisfiable:
         pass  # every input was unsupported: reported as a skip below
@@ -262,7 +196,7 @@ def _measure_flakiness(result: PropertyResult, exc: Flaky, prop: Property, targe
         failure = failures[0] if failures else None
     result.case = case
     if failure is not None:
-        result.counterexample = _counterexample(prop, failure, case, target, seed)
+        result.counterexample = counterexample(prop, failure, case, target, seed)
 
 
 def lost(result: PropertyResult) -> str:
@@ -304,7 +238,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
                 result.message += f" (at {case.summary()})"
                 result.vacuous, result.case = failure.vacuous, case
                 result.found_after_calls = _calls_to(failure, target)
-                result.counterexample = _counterexample(prop, failure, case, target, seed)
+                result.counterexample = counterexample(prop, failure, case, target, seed)
                 break
             except Exception as exc:  # noqa: BLE001 - out of memory, or a bug in the kit: reported, never hidden
                 result.status = "error"
