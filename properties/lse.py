@@ -4,7 +4,8 @@ kernel): merging, cascade attention and the backward pass all rest on it, so it 
 not only through a merge.
 
 A case is read as the decode properties read it (attn_spec.properties.decode) or as a packed batch (varlen), with
-H_kv, the key/value heads, a divisor of H drawn from the case's seed. The LSE is compared in natural log: a kernel
+H_kv, the key/value heads, the case's own ``kv_heads`` (drawn where the kernel takes grouped heads, as for the
+other decode and varlen properties). The LSE is compared in natural log: a kernel
 the header found to return base 2 (FlashInfer's ``m + log2(d)``) has its LSE multiplied by ln 2 first.
 """
 from __future__ import annotations
@@ -25,9 +26,10 @@ from attn_spec.targets.serving_decode import decode_reference
 from attn_spec.targets.serving_varlen import segment_mask, varlen_reference
 
 F64 = torch.float64
-LSE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "segments": True}
+# grouped from batch dim 1 on: decode's B stays a batch dim, varlen reads every dim as heads either way
+LSE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "segments": True, "grouped": 1}
 LARGE = 100.0  # the largest score of the stability call: exp overflows float32 past 88.7, float16 past 11.1
-EXAMPLES = [Case(batch=(2, 4), n_q=3, n_kv=5, d_k=4, d_v=4, dtype="float32", values="normal", seed=1,
+EXAMPLES = [Case(batch=(2, 4), kv_heads=2, n_q=3, n_kv=5, d_k=4, d_v=4, dtype="float32", values="normal", seed=1,
                  segments=((2, 3), (1, 0), (0, 2))),
             Case(batch=(1, 2), n_q=4, n_kv=6, d_k=8, d_v=8, dtype="float16", values="normal", magnitude=3.0, seed=2,
                  segments=((3, 2), (1, 4)))]
@@ -49,12 +51,6 @@ def empty_row_value(target) -> float | None:
     except (ValueError, IndexError):
         return None
     return -math.inf if math.isnan(value) else value
-
-
-def kv_heads(H: int, seed: int) -> int:
-    """A divisor of H drawn from the seed: 1 (multi-query), H (one K/V head per query head) or one between."""
-    divisors = [d for d in range(1, H + 1) if H % d == 0]
-    return divisors[int(torch.randint(len(divisors), (1,), generator=torch.Generator().manual_seed(seed + 5)))]
 
 
 def to_large_scores(q, scores):
@@ -139,9 +135,7 @@ def decode_lse(target, case):
     the kernel survives zero keys); appended, not causal, the scores scaled up to LARGE."""
     case = replace(case, n_q=max(case.n_q, 1), n_kv=max(case.n_kv, 1))  # a packed case's sums may be 0
     q, k_full, v_full, lengths, _ = decode_inputs(case)  # [B, S, H, D], [B, n + 2, H, D], [B]
-    H_kv = k_full.shape[2] if k_full.shape[2] != q.shape[2] else kv_heads(q.shape[2], case.seed)
-    k_full, v_full = k_full[:, :, :H_kv].contiguous(), v_full[:, :, :H_kv].contiguous()  # [B, n + 2, H_kv, D]
-    S, group = q.shape[1], q.shape[2] // H_kv
+    S, group = q.shape[1], q.shape[2] // k_full.shape[2]  # k_full [B, n + 2, H_kv, D]: grouped where the case is
     decode_call(target, q, k_full, v_full, lengths - S, appended=True, causal=True)
     if empty_row_value(target) is not None:  # one more element, with no key, beside the others
         decode_call(target, *(torch.cat([t, t[:1]]) for t in (q, k_full, v_full)),
@@ -187,8 +181,6 @@ def varlen_lse(target, case):
     survive zero keys."""
     q, k, v, cu_q, cu_k, *_ = packed_inputs(case)  # [T_q, H, D], [T_k, H, D]
     segments = list(zip(cu_q.diff().tolist(), cu_k.diff().tolist()))
-    H_kv = k.shape[1] if k.shape[1] != q.shape[1] else kv_heads(q.shape[1], case.seed)
-    k, v = k[:, :H_kv].contiguous(), v[:, :H_kv].contiguous()  # [T_k, H_kv, D]
     if empty_row_value(target) is None:
         kept = [b for b, s in enumerate(segments) if min(s) > 0]
         if not kept:
