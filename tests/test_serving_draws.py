@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, seed, settings
 
 import attn_spec
 from attn_spec.checking.cases import Case
@@ -18,6 +17,7 @@ from attn_spec.cli import main
 from attn_spec.errors import KitUsageError
 from attn_spec.targets.conventions import make_target
 from attn_spec.targets.loading import load_target
+from test_strategies import draw_many
 
 KERNELS = Path(__file__).resolve().parents[1] / "examples" / "serving_kernels.py"
 paged_kernel = load_target(f"{KERNELS}:paged_decode_kernel")
@@ -25,17 +25,6 @@ split_kernel = load_target(f"{KERNELS}:split_decode_kernel")
 decode_kernel = load_target(f"{KERNELS}:decode_kernel")
 
 
-def draw_many(strategy, n=300) -> list:
-    drawn = []
-
-    @seed(0)
-    @settings(max_examples=n, database=None, deadline=None)
-    @given(strategy)
-    def record(value):
-        drawn.append(value)
-
-    record()
-    return drawn
 
 
 def test_decode_cases_draw_cache_lengths_pages_splits_and_grouped_heads():
