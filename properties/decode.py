@@ -19,6 +19,7 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import KitUsageError, Unsupported
+from attn_spec.targets.serving_decode import unread_fill
 
 F64 = torch.float64
 DECODE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "cache": True, "grouped": 1}
@@ -130,8 +131,9 @@ def cache_outside_invariance(target, case):
     Why: a cache is a pool: rows past a sequence's length hold another request's keys, a page's unfilled tail,
     or nothing at all; a kernel that reads them at all is wrong as soon as they are not zero (PyTorch #159247:
     FlexAttention's paged attention read the unfilled tail of the last page; flash-attn #2709). NaN makes any
-    read visible, even one multiplied by a zero weight. Catches: a tail read (cache_seqlens ignored), left
-    padding attended, the old contents of the appended rows read before they are written, a read one row
+    read visible, even one multiplied by a zero weight; where the header's probe finds that NaN in an unread row
+    propagates through a zero weight (``unread-nan``: FlexAttention's eager path), those rows hold 100 instead, which
+    only a read with nonzero weight shows. Catches: a tail read (cache_seqlens ignored), left padding attended, the old contents of the appended rows read before they are written, a read one row
     past the end.
     """
     q, k_full, v_full, lengths, pad = decode_inputs(case, leftpad="cache_leftpad" in target.accepts)
@@ -140,12 +142,13 @@ def cache_outside_invariance(target, case):
     rows = torch.arange(k_full.shape[1])[None, :]  # [1, S_c]
     outside = (rows >= seqlens[:, None]) | (rows < (pad if pad is not None else 0 * lengths)[:, None])  # [B, S_c]
     new = [t[torch.arange(len(lengths))[:, None], (seqlens[:, None] + torch.arange(S)).long()] for t in (k_full, v_full)]
+    stale = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
     outs = []
-    for fill in (None, math.nan):
+    for fill in (None, stale):
         k_cache, v_cache = k_full.clone(), v_full.clone()
         if fill is not None:
             for t in (k_cache, v_cache):
-                t[outside.to(t.device)] = fill  # [B, S_c, H, D] rows outside set to NaN
+                t[outside.to(t.device)] = fill  # [B, S_c, H, D] rows outside set to NaN (or 100)
         outs.append(target.decode(q, k_cache, v_cache, seqlens.to(q.device), *new,
                                   None if pad is None else pad.to(q.device), causal=True))
     clean, poisoned = outs
@@ -153,14 +156,14 @@ def cache_outside_invariance(target, case):
     if differ.any() or not torch.isfinite(poisoned).all():
         b, i, h, _ = (differ | ~torch.isfinite(poisoned)).nonzero()[0].tolist()
         fail(f"{poisoned[b, i, h].tolist()} instead of {clean[b, i, h].tolist()}",
-             what=f"out[{b}, {i}, {h}] with NaN in the {int(outside[b].sum())} cache rows outside "
+             what=f"out[{b}, {i}, {h}] with {stale:g} in the {int(outside[b].sum())} cache rows outside "
                   f"[{0 if pad is None else int(pad[b])}, {int(seqlens[b])}) of element {b}",
              expected="the output of the same call with stale finite values there, bitwise",
              call=f"{target.name}(q, k_cache, v_cache, k, v, cache_seqlens{', cache_leftpad' if pad is not None else ''}, "
                   f"causal=True)",
              cause="the kernel reads cache rows it must not attend: only [cache_leftpad, cache_seqlens + S_new) after "
                    "the append", got=poisoned[b].transpose(0, 1).to(F64), expected_tensor=clean[b].transpose(0, 1).to(F64),
-             labels=("the output with NaN outside the attended rows",
+             labels=(f"the output with {stale:g} outside the attended rows",
                      "the target's own output with stale finite values there"))
 
 

@@ -21,7 +21,7 @@ from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import TargetRaised, Unsupported
 from attn_spec.properties.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
-from attn_spec.targets.serving_decode import page_granule
+from attn_spec.targets.serving_decode import page_granule, unread_fill
 
 F64 = torch.float64
 
@@ -159,7 +159,8 @@ def paged_outside_invariance(target, case):
     Why: a page is filled a row at a time, so the last page of a sequence has an unfilled tail, and the pool holds
     other requests' pages and pages nobody owns; a kernel that reads them is wrong as soon as they hold anything
     (PyTorch #159247: FlexAttention's paged attention attended the unfilled tail of the last page, error 0.76;
-    vLLM PR #27753: garbage from partial blocks). NaN makes any read visible, even one weighted by zero.
+    vLLM PR #27753: garbage from partial blocks). NaN makes any read visible, even one weighted by zero (100 where
+    the header's ``unread-nan`` probe finds NaN propagates through a zero weight, as cache-outside-invariance does).
     Catches: the last page read whole, every page the table lists read, pages in physical order, a mask applied
     after multiplying stale rows by a zero weight.
     """
@@ -171,12 +172,13 @@ def paged_outside_invariance(target, case):
     for page, offset in slots(table.cpu(), P, torch.zeros_like(seqlens), seqlens):
         attended[page, offset] = True
     new = [_new_rows(t, seqlens, S) for t in (k_full, v_full)]
+    stale = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
     outs = []
-    for fill in (None, math.nan):
+    for fill in (None, stale):
         pools = [t.clone() for t in (k_pool, v_pool)]
         if fill is not None:
             for t in pools:
-                t[~attended.to(t.device)] = fill  # [num_blocks, P, H, D] slots nobody attends set to NaN
+                t[~attended.to(t.device)] = fill  # [num_blocks, P, H, D] slots nobody attends set to NaN (or 100)
         outs.append(target.decode(q, *pools, seqlens.to(q.device), *new, causal=True, block_table=table))
     clean, poisoned = outs
     differ = ~((clean == poisoned) | (clean.isnan() & poisoned.isnan())) | ~torch.isfinite(poisoned)  # [B, S, H, D]
@@ -184,7 +186,7 @@ def paged_outside_invariance(target, case):
         b, i, h, _ = differ.nonzero()[0].tolist()
         end, pages = int(seqlens[b]) + S, math.ceil((int(seqlens[b]) + S) / P)
         fail(f"{poisoned[b, i, h].tolist()} instead of {clean[b, i, h].tolist()}",
-             what=f"out[{b}, {i}, {h}] with NaN in the {int((~attended).sum())} pool slots no element attends "
+             what=f"out[{b}, {i}, {h}] with {stale:g} in the {int((~attended).sum())} pool slots no element attends "
                   f"(element {b}: {_n(end, 'row')} in {_n(pages, 'page')} of {P}, a tail of {_n(pages * P - end, 'row')} "
                   f"in its last page, {_n(table.shape[1] - pages, 'more page')} in its table)",
              expected="the output of the same call with stale finite values there, bitwise",
@@ -192,7 +194,7 @@ def paged_outside_invariance(target, case):
              cause="the kernel reads pool slots it must not attend: only rows [0, cache_seqlens + S_new) of each "
                    "element, through its block table", got=poisoned[b].transpose(0, 1).to(F64),
              expected_tensor=clean[b].transpose(0, 1).to(F64),
-             labels=("the output with NaN in the slots nobody attends", "the output with stale values there"))
+             labels=(f"the output with {stale:g} in the slots nobody attends", "the output with stale values there"))
 
 
 @prop("paged-append-writes-exactly", family="serving",

@@ -87,18 +87,41 @@ def test_the_paged_reference_kernel_conforms_with_no_flags(capsys):
     assert all(f"{pid}  " in out for pid in PAGED) and "paged caches: yes" in out
 
 
-def test_flex_paged_attention_in_eager_mode_multiplies_free_slots_by_zero():
-    """FlexAttention's PagedAttention on the CPU, in eager mode, through examples/flex_paged_decode.py: paged equals
-    contiguous, appends exactly, and (through the adapter) raises past capacity; but its eager path materialises the
-    scores over the whole pool and multiplies every slot's value by its weight 0, so NaN in a free slot gives NaN.
-    A real behaviour, found and named (its compiled kernels skip masked blocks)."""
+def test_flex_paged_attention_in_eager_mode_conforms_and_its_zero_weighted_reads_are_reported():
+    """FlexAttention's PagedAttention on the CPU, in eager mode, through examples/flex_paged_decode.py: its eager path
+    materialises the scores over the whole pool and multiplies every slot's value by its weight 0, so NaN in a free
+    slot gives NaN. A behaviour (its compiled kernels skip masked blocks), probed and reported like the dense
+    masked-nan; the invariance properties then poison unread rows with a finite stale value, and it conforms."""
     pytest.importorskip("torch.nn.attention.experimental._paged_attention")
     report = attn_spec.check(load_target(f"{EXAMPLES / 'flex_paged_decode.py'}:flex_paged_decode"), profile="quick",
                              seed=1)
     target = report.targets[0]
-    failed = {p.id for p in target.properties if p.status == "fail"}
-    assert failed == {"cache-outside-invariance", "paged-outside-invariance"}, str(report)
+    assert target.conforms, str(report)
+    assert "NaN in unread cache rows: propagates" in str(report)
+
+
+def test_a_kernel_that_multiplies_free_pages_by_zero_is_named_where_the_probe_found_nan_ignored():
+    """The probe reads a contiguous cache; a kernel that is right there but multiplies every pool slot by its weight
+    over a paged cache fails paged-outside-invariance on NaN, with the root that says so."""
+    from gallery.serving import paged_free_slots_times_zero
+
+    report = attn_spec.check(paged_free_slots_times_zero, profile="quick", seed=0, only=PAGED)
+    target = report.targets[0]
+    assert "NaN in unread cache rows: ignored" in str(report)
+    assert {p.id for p in target.properties if p.status == "fail"} == {"paged-outside-invariance"}, str(report)
     assert [(d.mistake, d.root) for d in target.diagnoses] == [("masked-slots-times-zero", "paged-outside-invariance")]
+
+
+def test_a_tail_read_is_caught_with_stale_finite_values_where_nan_propagates():
+    """A kernel that reads the last page whole attends the NaN row of the probe, so the probe says "propagates" and
+    the invariance properties poison with 100: a read with nonzero weight still moves the output."""
+    from gallery.serving import paged_tail_read
+
+    target = make_target(paged_tail_read)
+    assert target.behaviour()["unread-nan"] == "propagates"
+    report = attn_spec.check(paged_tail_read, profile="quick", seed=0, only=["paged-outside-invariance"])
+    result = report.targets[0].properties[0]
+    assert result.status == "fail" and "with 100 in the" in result.message, result.message
 
 
 def test_a_silent_read_past_the_block_table_is_a_failure_that_names_the_overrun():

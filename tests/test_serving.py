@@ -36,9 +36,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 def test_flash_attn_signature_is_detected_and_probed():
     target = make_target(flash_attn_with_kvcache)
     assert target.convention == "decode"
-    assert target.behaviour() == {"causal-alignment": "bottom-right", "writes-cache": "yes", "lse-base": "e",
-                                  "lse-empty-row": "-inf", "page-sizes": "any",
-                                  "grouped-heads": "yes"}
+    assert target.behaviour() == {"causal-alignment": "bottom-right", "writes-cache": "yes", "unread-nan": "ignored",
+                                  "lse-base": "e", "lse-empty-row": "-inf", "page-sizes": "any", "grouped-heads": "yes"}
     assert make_target(decode_top_left).behaviour()["causal-alignment"] == "top-left"
 
 

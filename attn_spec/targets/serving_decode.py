@@ -155,7 +155,8 @@ class DecodeTarget(Target):
         return (out, found_lse) if lse else out
 
     def behaviour(self) -> dict:
-        """Probed once on tiny float64 inputs: causal alignment, whether it writes the cache, the LSE's base."""
+        """Probed once on tiny float64 inputs: causal alignment, whether it writes the cache, whether NaN in an unread row
+        reaches the output, the LSE's base and empty-row value, page sizes, grouped heads."""
         if self.probed is None:
             self.probed = {key: _safely(probe, self) for key, probe in PROBES.items()}
         return self.probed
@@ -163,7 +164,7 @@ class DecodeTarget(Target):
     def notes(self):
         found = self.behaviour()
         return [f"decode: causal alignment {found['causal-alignment']}, writes the cache: {found['writes-cache']}, "
-                f"LSE: {found['lse-base']}, LSE of an empty row: {found['lse-empty-row']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
+                f"NaN in unread cache rows: {found['unread-nan']}, LSE: {found['lse-base']}, LSE of an empty row: {found['lse-empty-row']}", "calls: q, k, v [B, S, H, D]; caches [B, S_c, H_kv, D]; "
                 f"arguments it takes: {', '.join(sorted(self.accepts)) or 'none'}; grouped heads (H_kv < H): "
                 f"{found['grouped-heads']}; paged caches: {self.paged()}"
                 + (f", page sizes: {found['page-sizes']}" if "block_table" in self.accepts else "")]
@@ -221,6 +222,26 @@ def writes_cache(target) -> str:
     k_new, v_new = torch.zeros(1, 1, 1, 1, dtype=F64), torch.full((1, 1, 1, 1), 7.0, dtype=F64)
     target.decode(q, k_cache, v_cache, seqlens, k_new, v_new, causal=True)
     return "yes" if (v_cache == 7.0).any() else "no"
+
+
+def unread_nan(target) -> str:
+    """NaN in K and V of the cache row past cache_seqlens (no query may attend it): "ignored", or "propagates" where a
+    kernel multiplies every row's value by its weight, 0 for that row (0 * NaN = NaN: FlexAttention's eager path, which
+    materialises the scores over the whole cache). A convention, like the dense ``masked-nan``: where it propagates, the
+    properties that poison unread rows fill them with stale finite values instead (a real read still moves the output)."""
+    q, k_cache, v_cache, seqlens = _tiny()
+    k_cache[:, 3], v_cache[:, 3] = math.nan, math.nan  # row 3 of 4: past cache_seqlens = 3
+    out = target.decode(q, k_cache, v_cache, seqlens, causal=True)
+    return "ignored" if torch.isfinite(out).all() else "propagates"
+
+
+def unread_fill(target) -> float:
+    """What the properties write into rows no query may attend: NaN (any read shows), or a stale finite value where
+    the kernel's probe found that NaN there propagates through a zero weight (a read with nonzero weight still shows)."""
+    return STALE if target.behaviour().get("unread-nan") == "propagates" else math.nan
+
+
+STALE = 100.0  # unlike every drawn value (|x| <= a few units), so a read with any nonzero weight moves the output
 
 
 def lse_base(target) -> str:
@@ -300,5 +321,5 @@ def grouped_heads(target) -> str:
     return "yes"
 
 
-PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base,
-          "lse-empty-row": lse_empty_row, "page-sizes": page_sizes, "grouped-heads": grouped_heads}
+PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "unread-nan": unread_nan,
+          "lse-base": lse_base, "lse-empty-row": lse_empty_row, "page-sizes": page_sizes, "grouped-heads": grouped_heads}

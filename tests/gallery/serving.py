@@ -126,6 +126,17 @@ def paged_tail_read(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, blo
                   read=lambda end, page: -(-end // page) * page)
 
 
+@buggy("paged-outside-invariance", bug="over a paged cache, multiplies every pool slot's value by its weight (0 "
+       "outside the sequence), as FlexAttention's eager path does: NaN in a free page gives NaN; a contiguous cache is "
+       "read right, so the header's probe finds NaN ignored", mistake="masked-slots-times-zero", convention="decode")
+def paged_free_slots_times_zero(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
+    out = _paged(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal)  # [B, S, H, D]
+    if block_table is None:
+        return out
+    group = q.shape[2] // v_cache.shape[2]
+    return out + 0 * v_cache.sum((0, 1)).repeat_interleave(group, 0)  # [H, D]: 0 * every slot, NaN where any is NaN
+
+
 @buggy("paged-equals-contiguous", bug="gathers each element's pages in physical order (sorted), not the table's",
        mistake="paged-physical-order", convention="decode")
 def paged_physical_order(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
