@@ -143,6 +143,7 @@ def cache_outside_invariance(target, case):
     outside = (rows >= seqlens[:, None]) | (rows < (pad if pad is not None else 0 * lengths)[:, None])  # [B, S_c]
     new = [t[torch.arange(len(lengths))[:, None], (seqlens[:, None] + torch.arange(S)).long()] for t in (k_full, v_full)]
     stale = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
+    shown = "NaN" if math.isnan(stale) else f"{stale:g}"
     outs = []
     for fill in (None, stale):
         k_cache, v_cache = k_full.clone(), v_full.clone()
@@ -156,14 +157,14 @@ def cache_outside_invariance(target, case):
     if differ.any() or not torch.isfinite(poisoned).all():
         b, i, h, _ = (differ | ~torch.isfinite(poisoned)).nonzero()[0].tolist()
         fail(f"{poisoned[b, i, h].tolist()} instead of {clean[b, i, h].tolist()}",
-             what=f"out[{b}, {i}, {h}] with {stale:g} in the {int(outside[b].sum())} cache rows outside "
+             what=f"out[{b}, {i}, {h}] with {shown} in the {int(outside[b].sum())} cache rows outside "
                   f"[{0 if pad is None else int(pad[b])}, {int(seqlens[b])}) of element {b}",
              expected="the output of the same call with stale finite values there, bitwise",
              call=f"{target.name}(q, k_cache, v_cache, k, v, cache_seqlens{', cache_leftpad' if pad is not None else ''}, "
                   f"causal=True)",
              cause="the kernel reads cache rows it must not attend: only [cache_leftpad, cache_seqlens + S_new) after "
                    "the append", got=poisoned[b].transpose(0, 1).to(F64), expected_tensor=clean[b].transpose(0, 1).to(F64),
-             labels=(f"the output with {stale:g} outside the attended rows",
+             labels=(f"the output with {shown} outside the attended rows",
                      "the target's own output with stale finite values there"))
 
 

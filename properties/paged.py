@@ -173,6 +173,7 @@ def paged_outside_invariance(target, case):
         attended[page, offset] = True
     new = [_new_rows(t, seqlens, S) for t in (k_full, v_full)]
     stale = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
+    shown = "NaN" if math.isnan(stale) else f"{stale:g}"
     outs = []
     for fill in (None, stale):
         pools = [t.clone() for t in (k_pool, v_pool)]
@@ -186,7 +187,7 @@ def paged_outside_invariance(target, case):
         b, i, h, _ = differ.nonzero()[0].tolist()
         end, pages = int(seqlens[b]) + S, math.ceil((int(seqlens[b]) + S) / P)
         fail(f"{poisoned[b, i, h].tolist()} instead of {clean[b, i, h].tolist()}",
-             what=f"out[{b}, {i}, {h}] with {stale:g} in the {int((~attended).sum())} pool slots no element attends "
+             what=f"out[{b}, {i}, {h}] with {shown} in the {int((~attended).sum())} pool slots no element attends "
                   f"(element {b}: {_n(end, 'row')} in {_n(pages, 'page')} of {P}, a tail of {_n(pages * P - end, 'row')} "
                   f"in its last page, {_n(table.shape[1] - pages, 'more page')} in its table)",
              expected="the output of the same call with stale finite values there, bitwise",
@@ -194,7 +195,7 @@ def paged_outside_invariance(target, case):
              cause="the kernel reads pool slots it must not attend: only rows [0, cache_seqlens + S_new) of each "
                    "element, through its block table", got=poisoned[b].transpose(0, 1).to(F64),
              expected_tensor=clean[b].transpose(0, 1).to(F64),
-             labels=(f"the output with {stale:g} in the slots nobody attends", "the output with stale values there"))
+             labels=(f"the output with {shown} in the slots nobody attends", "the output with stale values there"))
 
 
 @prop("paged-append-writes-exactly", family="serving",

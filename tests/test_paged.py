@@ -112,16 +112,15 @@ def test_a_kernel_that_multiplies_free_pages_by_zero_is_named_where_the_probe_fo
     assert [(d.mistake, d.root) for d in target.diagnoses] == [("masked-slots-times-zero", "paged-outside-invariance")]
 
 
-def test_a_tail_read_is_caught_with_stale_finite_values_where_nan_propagates():
-    """A kernel that reads the last page whole attends the NaN row of the probe, so the probe says "propagates" and
-    the invariance properties poison with 100: a read with nonzero weight still moves the output."""
+def test_a_kernel_that_reads_the_unread_row_is_not_taken_for_one_that_propagates_nan():
+    """A kernel that reads the last page whole attends the probe's row past cache_seqlens with a nonzero weight: a
+    finite value there moves its output, so the probe says "read", and the invariance properties keep NaN."""
     from gallery.serving import paged_tail_read
 
-    target = make_target(paged_tail_read)
-    assert target.behaviour()["unread-nan"] == "propagates"
+    assert make_target(paged_tail_read).behaviour()["unread-nan"].startswith("read (a bug")
     report = attn_spec.check(paged_tail_read, profile="quick", seed=0, only=["paged-outside-invariance"])
     result = report.targets[0].properties[0]
-    assert result.status == "fail" and "with 100 in the" in result.message, result.message
+    assert result.status == "fail" and "with NaN in the" in result.message, result.message
 
 
 def test_a_silent_read_past_the_block_table_is_a_failure_that_names_the_overrun():

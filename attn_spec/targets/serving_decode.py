@@ -228,9 +228,14 @@ def unread_nan(target) -> str:
     """NaN in K and V of the cache row past cache_seqlens (no query may attend it): "ignored", or "propagates" where a
     kernel multiplies every row's value by its weight, 0 for that row (0 * NaN = NaN: FlexAttention's eager path, which
     materialises the scores over the whole cache). A convention, like the dense ``masked-nan``: where it propagates, the
-    properties that poison unread rows fill them with stale finite values instead (a real read still moves the output)."""
+    properties that poison unread rows fill them with stale finite values instead (a real read still moves the output).
+    A kernel whose output also moves with a finite value there reads the row: "read (a bug: ...)", NaN kept."""
     q, k_cache, v_cache, seqlens = _tiny()
-    k_cache[:, 3], v_cache[:, 3] = math.nan, math.nan  # row 3 of 4: past cache_seqlens = 3
+    clean = target.decode(q, k_cache.clone(), v_cache.clone(), seqlens, causal=True)
+    k_cache[:, 3], v_cache[:, 3] = STALE, STALE  # row 3 of 4: past cache_seqlens = 3
+    if not torch.equal(target.decode(q, k_cache.clone(), v_cache.clone(), seqlens, causal=True), clean):
+        return "read (a bug: cache-outside-invariance says where)"
+    k_cache[:, 3], v_cache[:, 3] = math.nan, math.nan
     out = target.decode(q, k_cache, v_cache, seqlens, causal=True)
     return "ignored" if torch.isfinite(out).all() else "propagates"
 
