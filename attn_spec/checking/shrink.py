@@ -1,4 +1,4 @@
-"""Shrinking a failing explicit example, which Hypothesis never does.
+"""Shrinking a failing explicit example, which Hypothesis never does (and, at the quick profile, every failure).
 
 Hypothesis shrinks the cases it draws, never an explicit example (``@example``). A property's
 hand-picked cases run first because they catch most bugs in a call or two, and the one that catches
@@ -14,6 +14,10 @@ explicit example fails, the kit shrinks it itself, greedily, as Hypothesis would
   cannot show, and a float32 precision loss reads as that; a smaller case that shows another cause
   teaches less); for an exception of the target's, the same exception type;
 - it stops when no step fails, or after ``TRIES`` tries.
+
+At the quick profile (``Profile.shrinker == "kit"``) a drawn case that fails is shrunk here too, in place of
+Hypothesis's shrinker: a few dozen candidates instead of hundreds, each a whole property call. Not a serving
+kernel's: the steps below know no cache lengths, pages or segments, which Hypothesis shrinks.
 
 Each candidate is one the property's strategy could draw (its case options and what the target takes:
 cross, batch, min_n_kv, masks, fitted by :func:`attn_spec.checking.fitting.fit_case`). A candidate that

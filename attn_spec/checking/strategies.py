@@ -58,10 +58,13 @@ class Profile:
     pages: tuple[int, ...] = ()  # paged caches: page sizes from 1..small, and sometimes these larger ones
     max_splits: int = 3  # split-KV decoding: num_splits from 0..max_splits
     ladder: bool = False  # check the fixed shapes of attn_spec.checking.shapes.ladder instead of drawing
+    # Who shrinks a failure of a drawn case: Hypothesis (hundreds of candidates, the smallest case it can find), or
+    # the kit's greedy shrinker that explicit examples get (attn_spec.checking.shrink: at most TRIES candidates)
+    shrinker: str = "hypothesis"
 
 
 PROFILES = {
-    "quick": Profile("quick", 6, 6, (), (), 2, (1.0, 3.0), max_splits=3),
+    "quick": Profile("quick", 6, 6, (), (), 2, (1.0, 3.0), max_splits=3, shrinker="kit"),
     "default": Profile("default", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), pages=(16,),
                        max_splits=4),
     "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
