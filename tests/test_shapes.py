@@ -84,6 +84,19 @@ def test_each_property_either_has_cases_at_fixed_shapes_or_says_why_not():
     assert module == [MhaCase(n_q=8, n_kv=16, d_model=16, n_heads=4, dtype="float32", seed=1)]
 
 
+def test_past_a_gibibyte_per_mask_no_square_mask_is_built_at_a_fixed_shape():
+    """At 64k keys a causal [n, n] bool mask is 4 GiB (16 GiB as a target's float bias): the kit keeps O(n d) memory,
+    so causal-mask says why it is not checked there and gradients keeps its unmasked case; at 16k both are built."""
+    causal, grads = properties.REGISTRY["causal-mask"], properties.REGISTRY["gradients"]
+    long = Rung(Shape.parse("1,1,65536,64"), "float32", "cpu")
+    reason = shapes.fixed_cases(causal, "sdpa", long, 1)
+    assert isinstance(reason, str) and "[65536, 65536], 4 GiB of bool" in reason and "is-causal" in reason
+    assert [c.mask for c in shapes.fixed_cases(grads, "sdpa", long, 1)] == ["none"]
+    rung = Rung(Shape.parse("1,1,16384,64"), "float32", "cpu")
+    assert [c.mask for c in shapes.fixed_cases(causal, "sdpa", rung, 1)] == ["causal"]
+    assert [c.mask for c in shapes.fixed_cases(grads, "sdpa", rung, 1)] == ["none", "causal"]
+
+
 def test_grouped_case_draws_fewer_key_value_heads():
     q, k, v, mask = Case(batch=(2, 4), kv_heads=2, n_q=3, n_kv=5, d_k=2, d_v=3, mask="padding").tensors()
     assert (q.shape, k.shape, v.shape, mask.shape) == ((2, 4, 3, 2), (2, 2, 5, 2), (2, 2, 5, 3), (2, 4, 1, 5))

@@ -34,6 +34,10 @@ DEVICE_DTYPES = {"cpu": ("float32",), "cuda": ("bfloat16", "float16"), "mps": ("
 # costs about 4 n^2 d flops per head (16k keys at d=256: 11 s on this 2-core machine).
 SCALE_LENGTHS = {"cpu": (1024, 4096, 16384), "gpu": (1024, 4096, 16384, 32768, 65536, 131072)}
 SCALE_HEAD_DIMS = (64, 128, 256)
+# Entries of one [n_q, n_kv] mask the kit builds at a fixed shape (1 GiB of bool, 4 GiB once a target makes it a float
+# bias): past it a causal or random mask case is not built, so the kit's memory stays O(n d) (is-causal checks
+# causality through is_causal at any length, matches-reference a [B, 1, 1, n_kv] padding mask)
+MASK_LIMIT = 2**30
 USAGE = ("expected B,H,N,D, B,H,NQ,NKV,D or B,H,HKV,NQ,NKV,D with positive integers, a decode kernel's "
          "B,H,[HKV,]S_NEW,S_CACHE,D optionally followed by ,page=P (e.g. 1,8,4096,128, 1,32,8,1,32768,128 or "
          "4,32,8,1,4096,128,page=256)")
@@ -131,10 +135,18 @@ def fixed_cases(prop, convention: str, rung: Rung, seed: int) -> list | str:
         return options
     s = rung.shape
     common = dict(dtype=rung.dtype, device=rung.device)
+    masks = list(options.get("masks", ("none",)))
+    square = [m for m in masks if m in ("causal", "random")]  # built [n_q, n_kv]; padding is [1, n_kv]
+    if square and s.n_q * s.n_kv > MASK_LIMIT:
+        masks = [m for m in masks if m not in square]
+        if not masks:
+            return (f"its {square[0]} mask would be [{s.n_q}, {s.n_kv}], {s.n_q * s.n_kv / 2**30:.0f} GiB of bool, past the "
+                    f"kit's {MASK_LIMIT // 2**30} GiB per mask at fixed shapes (O(n d) memory): is-causal checks causality "
+                    f"through is_causal at this length, the drawn sizes a mask argument")
     if prop.uses_multihead(convention):
         return [MhaCase(n_q=s.n_q, n_kv=s.n_kv, d_model=s.heads * s.d, n_heads=s.heads, mask=mask,
                         seed=seed + i, **common)
-                for i, mask in enumerate(m for m in options.get("masks", ("none",)) if m in ("none", "causal"))]
+                for i, mask in enumerate(m for m in masks if m in ("none", "causal"))]
     if options.get("segments"):  # a packed batch (the varlen convention): B sequences of up to NQ, NKV tokens
         return [packed_case(s, rung, seed)]
     if options.get("cache"):  # a batch of decode calls (the decode convention)
@@ -151,7 +163,7 @@ def fixed_cases(prop, convention: str, rung: Rung, seed: int) -> list | str:
         kv_heads = s.kv_heads
     return [Case(batch=(s.batch, s.heads), n_q=s.n_q, n_kv=s.n_kv, d_k=s.d, d_v=s.d, values="normal", mask=mask,
                  seed=seed + i, kv_heads=kv_heads, **common)
-            for i, mask in enumerate(options.get("masks", ("none",)))]
+            for i, mask in enumerate(masks)]
 
 
 def packed_case(shape: Shape, rung: Rung, seed: int) -> Case:
