@@ -15,6 +15,7 @@ import torch
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_within, fail
 from attn_spec.checking.catalog import Lesson, prop
+from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error
 from attn_spec.targets.serving_merge import merge_reference
 
@@ -67,6 +68,8 @@ def _fold(merge, parts):
       statement="merging the partial attentions of a random partition of the keys (some parts empty, in shuffled order, "
                 "LSEs strided) gives attention over all the keys: its output and its LSE",
       conventions=("merge",), cases=MERGE_CASES,
+      # Tried first: one merge call, two heads of two queries, keys split 2 + 2 (seed 2): a wrong LSE shows at once
+      examples=(Case(batch=(2,), n_q=2, n_kv=4, d_k=2, d_v=2, seed=2),),
       lesson=Lesson(unicode="lse = log Σᵢ exp(lseᵢ),  out = Σᵢ exp(lseᵢ − lse) outᵢ  =  attention over ∪ᵢ Kᵢ",
                     latex=r"\mathrm{lse} = \log \sum_i e^{\mathrm{lse}_i},\quad \mathrm{out} = \sum_i "
                           r"e^{\mathrm{lse}_i - \mathrm{lse}}\,\mathrm{out}_i",
