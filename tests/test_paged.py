@@ -112,6 +112,22 @@ def test_a_kernel_that_multiplies_free_pages_by_zero_is_named_where_the_probe_fo
     assert [(d.mistake, d.root) for d in target.diagnoses] == [("masked-slots-times-zero", "paged-outside-invariance")]
 
 
+def test_a_kernel_that_takes_only_paged_caches_is_probed_through_pages():
+    """The unread-nan probe asks a kernel that refuses a contiguous cache through a block table instead: Flex's
+    adapter made paged-only still reads as "propagates", the reference paged kernel as "ignored"."""
+    def paged_only(kernel):
+        def decode(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False):
+            if block_table is None:
+                raise ValueError("a block_table is required")
+            return kernel(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal=causal)
+        return decode
+
+    pytest.importorskip("torch.nn.attention.experimental._paged_attention")
+    flex = load_target(f"{EXAMPLES / 'flex_paged_decode.py'}:flex_paged_decode")
+    assert make_target(paged_only(flex)).behaviour()["unread-nan"] == "propagates"
+    assert make_target(paged_only(examples_paged)).behaviour()["unread-nan"] == "ignored"
+
+
 def test_a_kernel_that_reads_the_unread_row_is_not_taken_for_one_that_propagates_nan():
     """A kernel that reads the last page whole attends the probe's row past cache_seqlens with a nonzero weight: a
     finite value there moves its output, so the probe says "read", and the invariance properties keep NaN."""
