@@ -231,8 +231,7 @@ def unread_nan(target) -> str:
     properties that poison unread rows fill them with stale finite values instead (a real read still moves the output).
     A kernel whose output also moves with a finite value there reads the row: "read (a bug: ...)", NaN kept."""
     q, k_cache, v_cache, seqlens = _tiny()
-    call = _unread_call(target)
-    clean = call(q, k_cache, v_cache, seqlens)
+    call, clean = _unread_call(target)
     k_cache[:, 3], v_cache[:, 3] = STALE, STALE  # row 3 of 4: past cache_seqlens = 3
     if not torch.equal(call(q, k_cache, v_cache, seqlens), clean):
         return "read (a bug: cache-outside-invariance says where)"
@@ -241,12 +240,13 @@ def unread_nan(target) -> str:
 
 
 def _unread_call(target):
-    """How unread_nan calls the kernel on its 4-row cache: as is, or, for a kernel that takes only paged caches, as
-    pages of the smallest size of PAGE_SIZES it takes, the rows past the 4th filled like the 4th."""
+    """How unread_nan calls the kernel on its 4-row cache (as is, or, for a kernel that takes only paged caches, as
+    pages of the smallest size of PAGE_SIZES it takes, the rows past the 4th filled like the 4th), and the output of
+    that call on the clean cache."""
     q, k_cache, v_cache, seqlens = _tiny()
     try:
-        target.decode(q, k_cache, v_cache, seqlens, causal=True)
-        return lambda q, k, v, lengths: target.decode(q, k.clone(), v.clone(), lengths, causal=True)
+        clean = target.decode(q, k_cache.clone(), v_cache.clone(), seqlens, causal=True)
+        return (lambda q, k, v, lengths: target.decode(q, k.clone(), v.clone(), lengths, causal=True)), clean
     except Exception:  # noqa: BLE001 - a kernel that wants a block table (or raises anyway: asked below again)
         if "block_table" not in target.accepts:
             raise
@@ -260,11 +260,10 @@ def _unread_call(target):
                 return rows.reshape(pages, size, 1, 1).clone()
             return target.decode(q, pool(k), pool(v), lengths, causal=True, block_table=table)
         try:
-            paged(q, k_cache, v_cache, seqlens)
-            return paged
+            return paged, paged(q, k_cache, v_cache, seqlens)
         except Exception:  # noqa: BLE001 - this page size refused: the next
             continue
-    raise Unsupported("it takes neither a contiguous cache nor one page of 1, 16 or 256 rows", total=True)
+    raise Unsupported("it takes neither a contiguous cache nor pages of 1, 16 or 256 rows", total=True)
 
 
 def unread_fill(target) -> float:
