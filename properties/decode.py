@@ -142,8 +142,7 @@ def cache_outside_invariance(target, case):
     rows = torch.arange(k_full.shape[1])[None, :]  # [1, S_c]
     outside = (rows >= seqlens[:, None]) | (rows < (pad if pad is not None else 0 * lengths)[:, None])  # [B, S_c]
     new = [t[torch.arange(len(lengths))[:, None], (seqlens[:, None] + torch.arange(S)).long()] for t in (k_full, v_full)]
-    stale = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
-    shown = "NaN" if math.isnan(stale) else f"{stale:g}"
+    stale, shown = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
     outs = []
     for fill in (None, stale):
         k_cache, v_cache = k_full.clone(), v_full.clone()

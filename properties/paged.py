@@ -172,8 +172,7 @@ def paged_outside_invariance(target, case):
     for page, offset in slots(table.cpu(), P, torch.zeros_like(seqlens), seqlens):
         attended[page, offset] = True
     new = [_new_rows(t, seqlens, S) for t in (k_full, v_full)]
-    stale = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
-    shown = "NaN" if math.isnan(stale) else f"{stale:g}"
+    stale, shown = unread_fill(target)  # NaN, or 100 where NaN propagates through a zero weight (probed: unread-nan)
     outs = []
     for fill in (None, stale):
         pools = [t.clone() for t in (k_pool, v_pool)]

@@ -158,7 +158,9 @@ class DecodeTarget(Target):
         """Probed once on tiny float64 inputs: causal alignment, whether it writes the cache, whether NaN in an unread row
         reaches the output, the LSE's base and empty-row value, page sizes, grouped heads."""
         if self.probed is None:
-            self.probed = {key: _safely(probe, self) for key, probe in PROBES.items()}
+            self.probed = {}  # filled in PROBES' order: a probe may read those before it (unread-nan: page-sizes)
+            for key, probe in PROBES.items():
+                self.probed[key] = _safely(probe, self)
         return self.probed
 
     def notes(self):
@@ -241,8 +243,8 @@ def unread_nan(target) -> str:
 
 def _unread_call(target):
     """How unread_nan calls the kernel on its 4-row cache (as is, or, for a kernel that takes only paged caches, as
-    pages of the smallest size of PAGE_SIZES it takes, the rows past the 4th filled like the 4th), and the output of
-    that call on the clean cache."""
+    pages of the size the page-sizes probe found, the rows past the 4th filled like the 4th), and the output of that
+    call on the clean cache."""
     q, k_cache, v_cache, seqlens = _tiny()
     try:
         clean = target.decode(q, k_cache.clone(), v_cache.clone(), seqlens, causal=True)
@@ -250,26 +252,25 @@ def _unread_call(target):
     except Exception:  # noqa: BLE001 - a kernel that wants a block table (or raises anyway: asked below again)
         if "block_table" not in target.accepts:
             raise
-    for size in PAGE_SIZES:
-        pages = -(-4 // size)
-        table = torch.arange(pages, dtype=torch.int32)[None]  # [1, pages]
+    size = page_granule(target)
+    pages = -(-4 // size)
+    table = torch.arange(pages, dtype=torch.int32)[None]  # [1, pages]
 
-        def paged(q, k, v, lengths, size=size, pages=pages, table=table):
-            def pool(t):  # [1, 4, 1, 1] -> [pages, size, 1, 1], the rows past the 4th like the 4th
-                rows = torch.cat([t, t[:, 3:].expand(1, pages * size - 4, 1, 1)], 1)  # [1, pages * size, 1, 1]
-                return rows.reshape(pages, size, 1, 1).clone()
-            return target.decode(q, pool(k), pool(v), lengths, causal=True, block_table=table)
-        try:
-            return paged, paged(q, k_cache, v_cache, seqlens)
-        except Exception:  # noqa: BLE001 - this page size refused: the next
-            continue
-    raise Unsupported("it takes neither a contiguous cache nor pages of 1, 16 or 256 rows", total=True)
+    def paged(q, k, v, lengths):
+        def pool(t):  # [1, 4, 1, 1] -> [pages, size, 1, 1], the rows past the 4th like the 4th
+            rows = torch.cat([t, t[:, 3:].expand(1, pages * size - 4, 1, 1)], 1)  # [1, pages * size, 1, 1]
+            return rows.reshape(pages, size, 1, 1).clone()
+        return target.decode(q, pool(k), pool(v), lengths, causal=True, block_table=table)
+    return paged, paged(q, k_cache, v_cache, seqlens)
 
 
-def unread_fill(target) -> float:
-    """What the properties write into rows no query may attend: NaN (any read shows), or a stale finite value where
-    the kernel's probe found that NaN there propagates through a zero weight (a read with nonzero weight still shows)."""
-    return STALE if target.behaviour().get("unread-nan") == "propagates" else math.nan
+def unread_fill(target) -> tuple[float, str]:
+    """What the properties write into rows no query may attend, and its name for their messages: NaN (any read
+    shows), or a stale finite value where the kernel's probe found that NaN there propagates through a zero weight
+    (a read with nonzero weight still shows)."""
+    if target.behaviour().get("unread-nan") == "propagates":
+        return STALE, f"{STALE:g}"
+    return math.nan, "NaN"
 
 
 STALE = 100.0  # unlike every drawn value (|x| <= a few units), so a read with any nonzero weight moves the output
@@ -352,5 +353,6 @@ def grouped_heads(target) -> str:
     return "yes"
 
 
-PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "unread-nan": unread_nan,
-          "lse-base": lse_base, "lse-empty-row": lse_empty_row, "page-sizes": page_sizes, "grouped-heads": grouped_heads}
+PROBES = {"causal-alignment": causal_alignment, "writes-cache": writes_cache, "lse-base": lse_base,  # in this order:
+          "lse-empty-row": lse_empty_row, "page-sizes": page_sizes, "unread-nan": unread_nan,  # unread-nan reads
+          "grouped-heads": grouped_heads}  # page-sizes
