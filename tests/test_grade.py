@@ -164,7 +164,11 @@ def test_an_output_that_ignores_its_inputs_scores_at_most_a_tenth(graded, name):
 
 @pytest.mark.parametrize("name, outcome, words", [
     ("syntax_error", "syntax-error", "line 3"),
-    ("missing_import", "import-error", "'flash_attn_unavailable_module'"),
+    ("missing_import", "import-error", "line 3 of missing_import.py imports the module "
+                                       "'flash_attn_unavailable_module', which does not exist"),
+    ("misspelled_import", "import-error", "line 3 of misspelled_import.py imports the module 'torch.nn.functinal', "
+                                          "which does not exist: no such module in Python, its installed packages or "
+                                          "the submission's own files (did you mean 'torch.nn.functional'?)"),
     ("missing_attention", "missing-attention", "attention is not defined"),
     ("loop_in_function", "timeout", "took longer than 4 s"),
     ("sleeps", "timeout", "took longer than 4 s"),
@@ -309,12 +313,19 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded
     out, err = capsys.readouterr()
     assert code == 0, err
     assert f"wrote grades.csv, grades.json, summary.md, summary.json, summary.html, results.json and feedback/ in {tmp_path / 'results'}" in out
+    assert "can read the others" not in err  # one submission: there are no others
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert isinstance(results["score"], float) and results["output"]
     assert {t["status"] for t in results["tests"]} == {"passed", "failed"}
     for test in results["tests"]:
         assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
         assert test["visibility"] == "visible" and test["score"] <= test["max_score"]
+        # the status follows the score: a symptom that keeps its points is not shown failed with full points
+        assert (test["status"] == "failed") == (test["score"] < test["max_score"]), test
+    symptoms = [t for t in results["tests"] if "symptom" in t["tags"]]
+    assert symptoms and all(t["output"].startswith("fails, not charged: explained by the mistake scale-missing")
+                            for t in symptoms)
+    assert "Mistakes found (1)" in results["output"] and "`scale-missing` (function)" in results["output"]
     assert results["score"] == sum(t["score"] for t in results["tests"])
     assert results["extra_data"]["max_score"] == sum(t["max_score"] for t in results["tests"])  # the same percentage
     assert results["score"] == graded["by"]["buggy_no_scale"]["score"]  # graded alone (--jobs 1) or by a judge

@@ -6,8 +6,13 @@ the student's code only ever runs in a child forked from the zygote.
 """
 from __future__ import annotations
 
+import difflib
+import importlib.machinery
+import importlib.util
 import itertools
 import os
+import pkgutil
+import sys
 import time
 import traceback
 import warnings
@@ -319,14 +324,63 @@ def _note_calls(grade: Grade, child) -> None:
     grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden - noted)]
 
 
+def _module_exists(name: str) -> bool | None:
+    """Whether the module ``name`` can be found in the grader's Python, importing nothing new: a top-level
+    name is looked up on sys.path, a submodule inside its parent when the grader has imported that parent
+    (torch.nn, say). None: it cannot tell without importing a package the submission named."""
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        full = ".".join(parts[:depth])
+        if full in sys.modules:
+            continue
+        parent = sys.modules.get(".".join(parts[:depth - 1])) if depth > 1 else None
+        if depth > 1 and not hasattr(parent, "__path__"):
+            return None if parent is None else False  # an unimported parent, or one that is no package
+        try:
+            spec = (importlib.util.find_spec(full) if depth == 1 else
+                    importlib.machinery.PathFinder.find_spec(full, list(parent.__path__)))
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return False
+        if depth < len(parts):
+            return None  # found but not imported here: looking inside it would import it
+    return True
+
+
+def _close_module(name: str) -> str:
+    """`` (did you mean 'torch.nn.functional'?)`` for a misspelt submodule of a package the grader has imported."""
+    parent, _, leaf = name.rpartition(".")
+    package = sys.modules.get(parent)
+    if not leaf or not hasattr(package, "__path__"):
+        return ""
+    close = difflib.get_close_matches(leaf, [m.name for m in pkgutil.iter_modules(package.__path__)], n=1)
+    return f" (did you mean {f'{parent}.{close[0]}'!r}?)" if close else ""
+
+
+def _import_problem(loaded: dict, sub: Submission, message: str) -> str:
+    """A failed import in the student's words: which line imports what, and whether that module exists."""
+    where = (f"line {loaded['line']} of {str(loaded.get('file') or sub.entry)[:200]}"
+             if isinstance(loaded.get("line"), int) else sub.entry or "it")
+    module, kind = loaded["module"], str(loaded.get("type", ""))
+    if kind != "ModuleNotFoundError":  # the module was found; a name in it, or its own import, failed
+        return f"{where} raised {kind[:80] or 'ImportError'} while importing: {message}"
+    exists = _module_exists(module)
+    if exists is False:
+        return (f"{where} imports the module {module!r}, which does not exist: no such module in Python, its "
+                f"installed packages or the submission's own files{_close_module(module)}. Check its spelling, "
+                f"or submit the file it is in.")
+    return (f"{where} imports the module {module!r}, which is installed where it is graded but could not be "
+            f"imported by the submission ({message})")
+
+
 def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
     outcome = loaded.get("outcome") if loaded.get("outcome") in OUTCOMES else "import-error"
     message = str(loaded.get("message", ""))[:2000]
     if outcome == "syntax-error":
         return outcome, f"{loaded.get('file') or sub.entry}, line {loaded.get('line')}: {message}"
     if outcome == "import-error" and isinstance(loaded.get("module"), str):
-        return outcome, (f"it imports the module {loaded['module']!r}, which is not available where it is graded "
-                         f"({message})")
+        return outcome, _import_problem(loaded, sub, message)
     trace = str(loaded.get("traceback", ""))[-3000:]
     return outcome, (f"importing it raised {str(loaded.get('type', 'an exception'))[:80]}: {message}"
                      + (f"\n{trace}" if trace else ""))

@@ -197,24 +197,42 @@ def grades_json(grades, rubric) -> str:
     return json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n"
 
 
+def _mistakes_markdown(grade) -> list[str]:
+    """The named mistakes of a submission, one line each: what it is, the fix, what it explains."""
+    if not grade.roots:
+        return []
+    lines = [f"**Mistakes found ({len(grade.roots)})**: each is charged once; the other failures it explains "
+             "are not charged.", ""]
+    for d in grade.roots:
+        lines.append(f"- `{d['mistake']}` ({d['convention']}): {d['sentence']} Fix: {d['fix']} "
+                     f"Explains {', '.join(d['explains'])}. Lesson: `attn-spec explain {d['mistake']}`.")
+    return lines
+
+
 def gradescope_json(grade, rubric) -> str:
-    """Gradescope's results.json for one submission (score, execution_time, output, tests[])."""
+    """Gradescope's results.json for one submission (score, execution_time, output, tests[]). A test's status
+    follows its score (Gradescope's own default): a failure a root explains that keeps its points (a symptom,
+    not charged) is "passed", and its output says that it fails and why it costs nothing."""
     tests = []
     for row in grade.properties:
         if row.status == "n/a":
             continue
         text = "\n".join(_failure(row)) if row.status != "pass" else f"{row.id}: {row.statement}"
+        kept = row.status != "pass" and 0 < row.max_points <= row.points
         if row.explained_by:
-            text = f"explained by the mistake {row.explained_by} (attn-spec explain {row.explained_by})\n\n" + text
+            charge = ("fails, not charged: " if kept else "") + f"explained by the mistake {row.explained_by}"
+            text = f"{charge} (attn-spec explain {row.explained_by})\n\n" + text
         tests.append({"name": f"{rubric.conventions[row.convention].name}: {row.id}", "score": row.points,
                       "max_score": 0.0 if row.counts != "score" else row.max_points,  # they add up to max_score
-                      "status": "passed" if row.status == "pass" else "failed",
+                      "status": "passed" if row.status == "pass" or kept else "failed",
                       "output": text, "output_format": "md", "visibility": "visible",
                       "tags": [row.convention, row.status] + (["bonus"] if row.counts == "bonus" else [])
                       + (["symptom"] if row.status == "fail" and row.points else [])})
     head = f"**{grade.outcome}**: {OUTCOME_TEXT.get(grade.outcome, '')}"
     detail = md.text(grade.detail) if grade.detail else ""
-    data = {"score": grade.score, "execution_time": grade.seconds, "output": head + (f"\n\n{detail}" if detail else ""),
+    output = "\n\n".join([head, *([detail] if detail else []), *(["\n".join(_mistakes_markdown(grade))]
+                                                                 if grade.roots else [])])
+    data = {"score": grade.score, "execution_time": grade.seconds, "output": output,
             "output_format": "md", "visibility": "visible", "stdout_visibility": "hidden", "tests": tests,
             "extra_data": {"outcome": grade.outcome, "max_score": grade.max_score, "bonus": grade.bonus,
                            "forbidden": grade.forbidden}}
