@@ -102,10 +102,13 @@ def test_the_optional_module_is_a_bonus_that_never_lowers_a_grade(graded):
     ("buggy_softmax_dim", "function", "softmax-over-queries"),
     ("buggy_in_place", "function", "queries-scaled-in-place"),
     ("buggy_heads_view", "module", "heads-split-without-transpose"),
+    ("buggy_mask_after_softmax", "function", "mask-after-softmax"),
 ])
 def test_one_bug_is_one_named_root_and_costs_its_points_once(graded, name, conv, mistake):
     """Issue 26: each single-bug submission of the class gets one root, naming its bug, which explains every
-    failure; it loses exactly the root's points, and its maximum is everyone's."""
+    failure; it is charged once, at the weight of the most important property it breaks (issue 38: the
+    mask applied after the softmax, whose root is mask-semantics, worth 1, cost 1 although it breaks
+    rows-sum-to-one, worth 2), and its maximum is everyone's."""
     sub, correct = graded["by"][name], graded["by"]["correct_seed"]
     assert [(d["convention"], d["mistake"]) for d in sub["roots"]] == [(conv, mistake)]
     root = sub["roots"][0]
@@ -113,14 +116,16 @@ def test_one_bug_is_one_named_root_and_costs_its_points_once(graded, name, conv,
     failed = [p["id"] for p in rows.values() if p["status"] != "pass" and p["status"] != "n/a"]
     assert failed and sorted(root["explains"]) == sorted(failed)
     assert all(rows[p]["explained_by"] == mistake for p in failed)
-    assert all(rows[p]["blocked_by"] == root["root"] and rows[p]["points"] == rows[p]["max_points"]
-               for p in failed if p != root["root"])  # a symptom keeps its points
-    lost = rows[root["root"]]["max_points"]
+    assert all(rows[p]["blocked_by"] == root["root"] for p in failed if p != root["root"])
+    lost = max(rows[p]["max_points"] for p in failed)  # the most important property it breaks
+    charged = [p for p in failed if rows[p]["points"] < rows[p]["max_points"]]
+    assert [rows[p]["max_points"] - rows[p]["points"] for p in charged] == [lost]  # charged once; the rest keep theirs
     assert sub["max_score"] == correct["max_score"]
     full = correct["max_score"] if conv == "function" else sum(p["max_points"] for p in rows.values())
     assert (sub["score"] if conv == "function" else sub["bonus"]) == pytest.approx(full - lost)
     feedback = (graded["out"] / "feedback" / f"{name}.md").read_text()
     for words in (f"### Root 1 of 1: {root['sentence']} [{mistake}]", f"- fix: {root['fix']}", "- evidence: reproduces",
+                  f"- charged: {lost:g} point{'' if lost == 1 else 's'}, the weight of {charged[0]}, the",
                   "- explains: ", f"`attn-spec explain {mistake}`", "attn_spec.reproduce(", "counterexample"):
         assert words in feedback, words
 

@@ -50,7 +50,8 @@ class PropertyGrade(PropertyResult):
     bad-output, not-run, missing, or the outcome that stopped grading during it. ``counts``: how the
     row counts, "score" (in score and max_score), "bonus" (in score only), or "no" (n/a: nobody is graded
     on it here). ``explained_by``: the mistake of the checked root that explains this failure (see
-    attn_spec.grading.roots); with ``blocked_by`` set, the failure is that root's symptom, not charged."""
+    attn_spec.grading.roots); with ``blocked_by`` set, the failure is that root's symptom. A root is charged
+    once, on its heaviest failure (``charged_row``); its other failures are not charged."""
 
     convention: str = ""
     points: float = 0.0
@@ -386,14 +387,35 @@ def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
                      + (f"\n{trace}" if trace else ""))
 
 
+def root_rows(rows) -> dict[tuple[str, str], list]:
+    """The failing rows each checked root explains, by (convention, the root's property): its own row
+    (``explained_by`` set, ``blocked_by`` None) and its symptoms (``blocked_by`` the root's property)."""
+    found: dict[tuple[str, str], list] = {}
+    for row in rows:
+        if row.status == "fail" and row.explained_by:
+            found.setdefault((row.convention, row.blocked_by or row.id), []).append(row)
+    return found
+
+
+def charged_row(rows):
+    """The row that carries a root's charge: the most important property it breaks (the most points), its own
+    property on a tie. So a mistake costs the same whichever property the diagnosis names it on: a mask bug
+    whose root is mask-semantics (1 point) that also breaks causal-mask (2) costs 2."""
+    return max(rows, key=lambda row: (row.max_points, row.blocked_by is None))
+
+
 def _score(grade: Grade, rubric: Rubric) -> None:
-    """Points for passed properties, and for failures a checked root explains as its symptom (unless the
-    rubric charges those): so one bug costs its root's points once. Everything else earns nothing
-    (fail closed), a vacuous failure included. max_score is every counted row's points, pass or fail,
-    so it is the same for every student (n/a rows are n/a for everyone); a property the platform kept
-    from being checked costs nothing; a bonus convention's rows add to the score only. The forbidden penalty scales the total."""
+    """Points for passed properties; a checked root is charged once, on ``charged_row`` (the weight of the most
+    important property it breaks), and its other failures keep their points (unless the rubric charges
+    them too). Everything else earns nothing (fail closed), a vacuous failure included. max_score is
+    every counted row's points, pass or fail, so it is the same for every student (n/a rows are n/a for
+    everyone); a property the platform kept from being checked costs nothing; a bonus convention's rows
+    add to the score only. The forbidden penalty scales the total."""
+    explained = root_rows(grade.properties)
+    charged = {id(charged_row(rows)) for rows in explained.values()}
+    kept = {id(row) for rows in explained.values() for row in rows if id(row) not in charged}
     for row in grade.properties:
-        symptom = row.status == "fail" and row.explained_by and row.blocked_by and not rubric.charge_blocked
+        symptom = id(row) in kept and not rubric.charge_blocked
         row.points = row.max_points if row.status == "pass" or symptom or _platform_only(row) else 0.0
         if row.status == "n/a":
             row.max_points, row.counts = 0.0, "no"

@@ -50,8 +50,9 @@ POLICY_TEXT = {
               "can only raise your grade."),
 }
 SYMPTOM_NOTE = ("A failure marked *symptom of root N* is explained by that root's mistake: the grader replayed it "
-                "and the mistake reproduces every call. It keeps its points, so the bug costs the root's points "
-                "once. Fix the root and its symptoms go with it.")
+                "and the mistake reproduces every call. A mistake is charged once, at the weight of the most "
+                "important property it breaks; its other failures keep their points (not charged). Fix the root "
+                "and its symptoms go with it.")
 
 
 def _roots(grade, conv: str) -> list[dict]:
@@ -74,7 +75,8 @@ def _points(x: float) -> str:
 def _row_points(row) -> str:
     if row.status == "n/a":
         return "n/a"
-    kept = " (not charged)" if row.status == "fail" and row.points else ""
+    kept = (" (not charged)" if row.status == "fail" and row.points else
+            " (the mistake's charge)" if row.status == "fail" and row.explained_by and row.blocked_by else "")
     return f"{_points(row.points)} / {_points(row.max_points)}" + (" bonus" if row.counts == "bonus" else "") + kept
 
 
@@ -89,17 +91,34 @@ def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:
     kit's own (attn_spec.grading.roots builds it from the catalog), never the submission's."""
     lines = [f"### Root {index} of {total}: {d['sentence']} [{d['mistake']}]", "",
              f"- fix: {d['fix']}", f"- evidence: {d['evidence']}",
-             f"- explains: {', '.join(d['explains'])}",
+             f"- explains: {', '.join(d['explains'])}", *_charge_line(d, rows),
              f"- the lesson: `attn-spec explain {d['mistake']}`", ""]
     shown = rows.get(d["root"])
     if shown is not None:
         lines += _failure(shown)
     others = [rows[p] for p in d["explains"] if p != d["root"] and p in rows]
     if others:
-        lines += ["Also failing because of this root (not charged):", ""]
-        lines += [f"- {p.id}: {md.inline((p.message.strip().splitlines() or [''])[0], limit=160)}" for p in others]
+        lines += ["Also failing because of this root:", ""]
+        lines += [f"- {p.id} ({'not charged' if p.points else 'charged'}): "
+                  f"{md.inline((p.message.strip().splitlines() or [''])[0], limit=160)}" for p in others]
         lines.append("")
     return lines
+
+
+def _charge_line(d: dict, rows: dict) -> list[str]:
+    """What the root cost and why: once, at the weight of the most important property it breaks."""
+    explained = [rows[p] for p in d["explains"] if p in rows]
+    lost = [r for r in explained if r.points < r.max_points]
+    if not lost:
+        return []
+    if len(lost) > 1:  # the rubric's charge_blocked: every failure is charged
+        return [f"- charged: {_points(sum(r.max_points - r.points for r in lost))} points, every property it "
+                f"breaks (the rubric charges each failure)"]
+    (row,) = lost
+    why = ("the only property it breaks" if len(explained) == 1 else
+           f"the most important of the {len(explained)} properties it breaks; the others are not charged")
+    return [f"- charged: {_points(row.max_points - row.points)} point{'' if row.max_points == 1 else 's'}, the "
+            f"weight of {row.id}, {why} (a mistake is charged once, whichever property names it)"]
 
 
 def _score_line(grade) -> str:
