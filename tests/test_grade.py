@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import html
 import json
 import os
+import re
 import shutil
 import tempfile
 import tomllib
@@ -308,6 +310,36 @@ def test_csv_summary_and_feedback_files(graded):
     for words in ("Score:", "scale-sqrt-dk", "likely cause", "counterexample", "attn_spec.reproduce("):
         assert words in feedback
     assert len(list((out / "feedback").glob("*.md"))) == len(graded["by"])
+
+
+def _html_table(page: str, title: str) -> list[list[str]]:
+    """The cells of each row of the table titled ``title`` in summary.html."""
+    table = page.split(f"<h2>{title}</h2>", 1)[1].split("</table>", 1)[0]
+    return [cells for row in re.findall(r"<tr>(.*?)</tr>", table) if (cells := re.findall(r"<td[^>]*>(.*?)</td>", row))]
+
+
+def test_summary_html_holds_summary_mds_tables_and_a_histogram(graded):
+    """Issue 38.1: summary.html left out the scores, outcomes and names (the mistakes' students were a bare
+    count), so an import error and every score were invisible on the page."""
+    page = (graded["out"] / "summary.html").read_text()
+    subs = graded["grades"]["submissions"]
+    assert {row[0]: (row[1], row[2]) for row in _html_table(page, "Submissions")} == \
+        {html.escape(s["name"]): (f"{s['score']:g} / {s['max_score']:g}", s["outcome"]) for s in subs}
+    assert {row[0]: int(row[1]) for row in _html_table(page, "Outcomes")} == graded["grades"]["outcomes"]
+    assert "import-error" in graded["grades"]["outcomes"] and "misspelled_import" in page
+    view = json.loads((graded["out"] / "summary.json").read_text())
+    mistakes = {row[0]: row[3] for row in _html_table(page, "The class's mistakes")}
+    assert mistakes == {m["mistake"]: html.escape(", ".join(m["students"])) for m in view["mistakes"]}
+    unexplained = _html_table(page, "Failures no mistake explains")
+    assert [row[3] for row in unexplained] == [html.escape(", ".join(u["students"])) for u in view["unexplained"]]
+    svg = page.split("<h2>Scores</h2>", 1)[1].split("</svg>", 1)[0]
+    counts = [int(n) for n in re.findall(r"text-anchor='middle'>(\d+)</text>", svg)]
+    assert sum(counts) == sum(1 for s in subs if s["max_score"])  # every graded student is in one bar
+    tips = {t.split(": ", 1)[0]: t.split(": ", 1)[1].split(", ") for t in re.findall(r"<title>(.*?)</title>", svg)}
+    assert set(tips["100%"]) == {html.escape(s["name"]) for s in subs if s["max_score"] and s["score"] - s["bonus"] >= s["max_score"]}
+    assert "buggy_no_scale" in tips["90-99%"] and "returns_nan" in tips["0-9%"]
+    heatmap = page.split("<h2>Who made which mistake</h2>", 1)[1].split("</table>", 1)[0]
+    assert "buggy_no_scale_again" in heatmap and heatmap.count("class='x'") == sum(len({d["mistake"] for d in s["roots"]}) for s in subs)
 
 
 def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded):
