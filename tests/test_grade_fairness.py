@@ -75,6 +75,19 @@ def test_a_root_is_charged_once_at_the_weight_of_the_most_important_property_it_
         feedback_markdown(alone, rubric)
 
 
+def test_also_failing_lines_are_whole():
+    """Issue 38.6: the feedback cut each "also failing" line at 160 characters with "…"."""
+    rubric = rubrics.load(None)
+    long = "the output against the float64 reference: " + "max error 3.2 at [0, 1], " * 12 + "budget 1e-6"
+    grade = _root(_graded([_row("scale-sqrt-dk", "fail", explained_by="scale-missing"),
+                           _row("matches-reference", "fail", blocked_by="scale-sqrt-dk", explained_by="scale-missing")],
+                          rubric), "scale-missing", ["scale-sqrt-dk", "matches-reference"])
+    grade.properties[1].message = long
+    feedback = feedback_markdown(grade, rubric)
+    line = next(x for x in feedback.splitlines() if x.startswith("- matches-reference (not charged): "))
+    assert line.endswith("budget 1e-6") and "…" not in line
+
+
 def test_full_marks_leave_the_bonus_out():
     rubric = rubrics.load(None)
     grade = _graded([_row("rows-sum-to-one", "pass"), _row("matches-reference", "fail"),

@@ -203,3 +203,39 @@ def test_tutorial_runs_and_shows_what_it_announces():
             failed = set(re.findall(r"^FAIL ([a-z-]+)", chunk, re.M))
             assert expected <= failed, f"{title}: the text announces {expected}, the kit reported {failed}"
     assert verdicts[-1] == "CONFORMS"
+
+
+def test_a_nan_weight_on_a_masked_key_is_said_nan_not_inf():
+    """Issue 38.6: NaN weights on masked keys (softmax over the queries of a -inf-filled mask) read "inf"."""
+    import math
+
+    import attn_spec
+
+    def softmax_over_queries(Q, K, V, mask=None):
+        scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-2) @ V
+
+    report = attn_spec.check(softmax_over_queries, only=["mask-semantics"], profile="quick", seed=3, diagnose=False)
+    (result,) = report.targets[0].properties
+    assert result.status == "fail" and "the largest weight on a masked key: NaN, expected exactly 0" in result.message
+
+
+def test_the_table_says_explained_by_for_evidence_and_blocked_by_only_without_it():
+    """Issue 38.6: failures a named root reproduces read "blocked by scale-sqrt-dk", README's word for a failure
+    with no evidence of its own."""
+    import attn_spec
+    from attn_spec.report.text import row_verdict
+
+    from test_cli import BUGGY
+
+    report = attn_spec.check(f"{BUGGY}:attention", profile="quick", seed=7)
+    (target,) = report.targets
+    (root,) = target.diagnoses
+    verdicts = {p.id: row_verdict(p, target) for p in target.failures}
+    assert verdicts["scale-sqrt-dk"] == "fail (root 1)"
+    for pid in root.explains[1:]:
+        word = f"blocked by {root.root}" if pid in root.unproven else f"explained by {root.mistake}"
+        assert verdicts[pid] == f"fail (root 1: {word})"
+    assert root.evidenced[1:] and "explained by scale-one-over-dk" in str(report)

@@ -100,7 +100,7 @@ def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:
     if others:
         lines += ["Also failing because of this root:", ""]
         lines += [f"- {p.id} ({'not charged' if p.points else 'charged'}): "
-                  f"{md.inline((p.message.strip().splitlines() or [''])[0], limit=160)}" for p in others]
+                  f"{md.inline((p.message.strip().splitlines() or [''])[0])}" for p in others]  # whole, never cut
         lines.append("")
     return lines
 
