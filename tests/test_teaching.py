@@ -239,3 +239,19 @@ def test_the_table_says_explained_by_for_evidence_and_blocked_by_only_without_it
         word = f"blocked by {root.root}" if pid in root.unproven else f"explained by {root.mistake}"
         assert verdicts[pid] == f"fail (root 1: {word})"
     assert root.evidenced[1:] and "explained by scale-one-over-dk" in str(report)
+
+
+def test_the_verdict_counts_apart_the_failures_that_never_ran():
+    """Issue 38.6: "16 of 27 properties fail" where the table read "not run (root 1)" for 15 of them (a target
+    that raises on every masked call)."""
+    import attn_spec
+    from attn_spec.report.text import row_verdict
+    from gallery.masking import sparse_mask
+
+    report = attn_spec.check(sparse_mask, profile="quick", seed=1)
+    (target,) = report.targets
+    rows = [row_verdict(p, target) for p in target.failures]
+    not_run = sum(v.startswith("not run") for v in rows)
+    assert not_run and target.verdict.startswith(
+        f"DOES NOT CONFORM ({len(rows) - not_run} of {len(target.properties) - sum(p.status == 'not-run' for p in target.properties)} "
+        f"properties fail, {not_run} more not run")
