@@ -255,3 +255,18 @@ def test_the_verdict_counts_apart_the_failures_that_never_ran():
     assert not_run and target.verdict.startswith(
         f"DOES NOT CONFORM ({len(rows) - not_run} of {len(target.properties) - sum(p.status == 'not-run' for p in target.properties)} "
         f"properties fail, {not_run} more not run")
+
+
+def test_a_module_header_lists_no_batch_capability_where_batch_independence_does_not_apply():
+    """Issue 38.6: the module's header listed `batch` while batch-independence "does not apply to the module
+    convention"."""
+    import attn_spec
+    from attn_spec.reference import MultiHeadAttention
+    from attn_spec.report.text import header_lines
+
+    report = attn_spec.check(MultiHeadAttention, only=["batch-independence", "rows-sum-to-one"], profile="quick")
+    (target,) = report.targets
+    skipped = next(p for p in target.properties if p.id == "batch-independence")
+    assert skipped.status == "skip" and "does not apply to the module convention" in skipped.message
+    capabilities = next(line for line in header_lines(target) if line.startswith("capabilities: "))
+    assert "batch" not in capabilities.replace("batch-independence", "") and "mask" in capabilities
