@@ -75,6 +75,28 @@ def test_a_root_is_charged_once_at_the_weight_of_the_most_important_property_it_
         feedback_markdown(alone, rubric)
 
 
+def test_the_rubric_can_price_a_mistake_whatever_it_breaks():
+    """[function.mistakes]: a mistake's price, taken from its heaviest broken properties first, at most what they
+    are worth; an id outside the catalog is a usage error."""
+    rubric = rubrics.parse('[function.mistakes]\nmask-after-softmax = 3\n')
+    rubric.check_catalog()
+    rows = [_row("mask-semantics", "fail", max_points=1.0, explained_by="mask-after-softmax"),
+            _row("causal-mask", "fail", blocked_by="mask-semantics", explained_by="mask-after-softmax"),
+            _row("value-linearity", "fail", max_points=1.0, blocked_by="mask-semantics", explained_by="mask-after-softmax")]
+    grade = _root(_graded(rows, rubric), "mask-after-softmax", ["mask-semantics", "causal-mask", "value-linearity"])
+    assert [(r.id, r.points) for r in grade.properties] == [("mask-semantics", 0), ("causal-mask", 0),
+                                                            ("value-linearity", 1)]
+    assert ("- charged: 3 points, the rubric's price of mask-after-softmax ([function.mistakes]), taken from "
+            "mask-semantics, causal-mask; the others are not charged") in feedback_markdown(grade, rubric)
+    high = _graded([_row("scale-sqrt-dk", "fail", explained_by="scale-missing")],
+                   rubrics.parse('[function.mistakes]\nscale-missing = 50\n'))
+    assert high.score == 0  # at most what the failures are worth
+    with pytest.raises(rubrics.RubricError, match="unknown mistake"):
+        rubrics.parse('[function.mistakes]\nno-such-mistake = 1\n').check_catalog()
+    with pytest.raises(rubrics.RubricError, match="must be a table"):
+        rubrics.parse('[function]\nmistakes = 3\n')
+
+
 def test_also_failing_lines_are_whole():
     """Issue 38.6: the feedback cut each "also failing" line at 160 characters with "…"."""
     rubric = rubrics.load(None)

@@ -55,6 +55,11 @@ scale-sqrt-dk = 2
 cross-attention-shapes = 1
 matches-reference = 2
 
+# A named mistake costs the points of the most important property it breaks. To price one yourself
+# (taken from its heaviest broken properties first, at most what they are worth), uncomment:
+# [function.mistakes]
+# softmax-over-queries = 4
+
 [module]                     # class MultiHeadAttention(d_model, n_heads) in the seed's form
 name = "MultiHeadAttention"
 policy = "bonus"             # optional: graded when defined, its points on top of the function's

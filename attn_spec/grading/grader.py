@@ -51,7 +51,7 @@ class PropertyGrade(PropertyResult):
     row counts, "score" (in score and max_score), "bonus" (in score only), or "no" (n/a: nobody is graded
     on it here). ``explained_by``: the mistake of the checked root that explains this failure (see
     attn_spec.grading.roots); with ``blocked_by`` set, the failure is that root's symptom. A root is charged
-    once, on its heaviest failure (``charged_row``); its other failures are not charged."""
+    once, on its heaviest failures (``charges``); its other failures are not charged."""
 
     convention: str = ""
     points: float = 0.0
@@ -397,26 +397,35 @@ def root_rows(rows) -> dict[tuple[str, str], list]:
     return found
 
 
-def charged_row(rows):
-    """The row that carries a root's charge: the most important property it breaks (the most points), its own
-    property on a tie. So a mistake costs the same whichever property the diagnosis names it on: a mask bug
-    whose root is mask-semantics (1 point) that also breaks causal-mask (2) costs 2."""
-    return max(rows, key=lambda row: (row.max_points, row.blocked_by is None))
+def charges(rows, weight: float | None = None) -> dict[int, float]:
+    """id(row) -> the points a root's failing ``rows`` lose: its charge, taken from the most important property
+    it breaks first (the most points; its own property on a tie). The charge is that property's points, or
+    ``weight`` when the rubric prices the mistake ([function.mistakes]), at most what the rows are worth. So a
+    mistake costs the same whichever property the diagnosis names it on: a mask bug whose root is
+    mask-semantics (1 point) that also breaks causal-mask (2) costs 2."""
+    ordered = sorted(rows, key=lambda row: (row.max_points, row.blocked_by is None), reverse=True)
+    left = ordered[0].max_points if weight is None else weight
+    lost = {}
+    for row in ordered:
+        lost[id(row)], left = min(left, row.max_points), left - min(left, row.max_points)
+    return lost
 
 
 def _score(grade: Grade, rubric: Rubric) -> None:
-    """Points for passed properties; a checked root is charged once, on ``charged_row`` (the weight of the most
-    important property it breaks), and its other failures keep their points (unless the rubric charges
-    them too). Everything else earns nothing (fail closed), a vacuous failure included. max_score is
+    """Points for passed properties; a checked root is charged once (``charges``: the weight of the most
+    important property it breaks, or the rubric's price of the mistake), and its other failures keep their
+    points (unless the rubric charges them too). Everything else earns nothing (fail closed), a vacuous failure included. max_score is
     every counted row's points, pass or fail, so it is the same for every student (n/a rows are n/a for
     everyone); a property the platform kept from being checked costs nothing; a bonus convention's rows
     add to the score only. The forbidden penalty scales the total."""
-    explained = root_rows(grade.properties)
-    charged = {id(charged_row(rows)) for rows in explained.values()}
-    kept = {id(row) for rows in explained.values() for row in rows if id(row) not in charged}
+    lost = {}
+    for (conv, _), rows in root_rows(grade.properties).items():
+        lost.update(charges(rows, rubric.conventions[conv].mistakes.get(rows[0].explained_by)))
     for row in grade.properties:
-        symptom = id(row) in kept and not rubric.charge_blocked
-        row.points = row.max_points if row.status == "pass" or symptom or _platform_only(row) else 0.0
+        if id(row) in lost and not rubric.charge_blocked:
+            row.points = row.max_points - lost[id(row)]
+        else:
+            row.points = row.max_points if row.status == "pass" or _platform_only(row) else 0.0
         if row.status == "n/a":
             row.max_points, row.counts = 0.0, "no"
         else:

@@ -85,13 +85,13 @@ def _failure(row) -> list[str]:
     return [render(row, "markdown", traceback=True, untrusted=True), ""]
 
 
-def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:
+def root_markdown(d: dict, index: int, total: int, rows: dict, rubric=None) -> list[str]:
     """One root, as ``attn-spec check`` shows it: the named mistake, its fix and evidence, what it explains,
     the failure that shows it (counterexample and reproduce snippet) and the lesson. Its text is the
     kit's own (attn_spec.grading.roots builds it from the catalog), never the submission's."""
     lines = [f"### Root {index} of {total}: {d['sentence']} [{d['mistake']}]", "",
              f"- fix: {d['fix']}", f"- evidence: {d['evidence']}",
-             f"- explains: {', '.join(d['explains'])}", *_charge_line(d, rows),
+             f"- explains: {', '.join(d['explains'])}", *_charge_line(d, rows, rubric),
              f"- the lesson: `attn-spec explain {d['mistake']}`", ""]
     shown = rows.get(d["root"])
     if shown is not None:
@@ -105,15 +105,21 @@ def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:
     return lines
 
 
-def _charge_line(d: dict, rows: dict) -> list[str]:
-    """What the root cost and why: once, at the weight of the most important property it breaks."""
+def _charge_line(d: dict, rows: dict, rubric=None) -> list[str]:
+    """What the root cost and why: once, at the weight of the most important property it breaks, or at the
+    rubric's price of the mistake."""
     explained = [rows[p] for p in d["explains"] if p in rows]
     lost = [r for r in explained if r.points < r.max_points]
     if not lost:
         return []
-    if len(lost) > 1:  # the rubric's charge_blocked: every failure is charged
-        return [f"- charged: {_points(sum(r.max_points - r.points for r in lost))} points, every property it "
-                f"breaks (the rubric charges each failure)"]
+    total = _points(sum(r.max_points - r.points for r in lost))
+    if rubric is not None and rubric.charge_blocked:
+        return [f"- charged: {total} points, every property it breaks (the rubric charges each failure)"]
+    price = rubric.conventions[d["convention"]].mistakes.get(d["mistake"]) if rubric is not None else None
+    if price is not None:
+        return [f"- charged: {total} point{'' if total == '1' else 's'}, the rubric's price of {d['mistake']} "
+                f"([{d['convention']}.mistakes]), taken from {', '.join(r.id for r in lost)}; the others are "
+                "not charged"]
     (row,) = lost
     why = ("the only property it breaks" if len(explained) == 1 else
            f"the most important of the {len(explained)} properties it breaks; the others are not charged")
@@ -155,7 +161,7 @@ def feedback_markdown(grade, rubric) -> str:
         if roots or failed:
             lines += ["", "## What to fix" if conv == "function" else f"## What to fix in {section.name}", ""]
             for i, d in enumerate(roots, 1):
-                lines += root_markdown(d, i, len(roots), by_id)
+                lines += root_markdown(d, i, len(roots), by_id, rubric)
             if roots and failed:
                 lines += ["### Other failures (no mistake model explains them)", ""]
             for row in failed:
