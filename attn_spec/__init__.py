@@ -4,11 +4,6 @@
     >>> report = attn_spec.check(my_attention)   # a function attention(Q, K, V, mask=None)
     >>> report.conforms
 """
-import warnings
-
-# torch warns at import when NumPy is absent; the kit never needs NumPy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
 from attn_spec.errors import Unsupported  # a target raises it to decline an input (light: no torch)
 from attn_spec.version import __version__
 

@@ -1,7 +1,9 @@
 """The ``attn-spec`` command line: one module per subcommand in ``attn_spec.commands``.
 
-Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit code``. Errors in a
-command's arguments are reported with that command's usage (``usage_error``), never the top-level one.
+Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit code``. An error in a
+command's arguments prints one line that says what is wrong, then where the usage is
+(``run 'attn-spec check --help' for usage``): that command's, never the top-level one, and never the
+whole usage block before the line that matters.
 Exit codes: 0 success / conforms, 1 a property fails, 2 usage error or unloadable target.
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 EPILOG = """\
 Examples:
-  attn-spec check examples/seed_attention.py:attention
+  attn-spec check my_attention.py:attention
+  attn-spec check attn_spec.reference:reference_attention --profile quick     # the kit's own, to try it
   attn-spec check torch.nn.functional:scaled_dot_product_attention --profile thorough
   attn-spec check                  # the targets and settings of [tool.attn-spec] in pyproject.toml
   attn-spec config                 # the effective settings and where each comes from
@@ -24,11 +27,24 @@ Exit status: 0 success (every target conforms), 1 a property fails, 2 usage erro
 """
 
 
+def usage_message(prog: str, message: str) -> str:
+    """The error first, then where the usage is: ``attn-spec check: error: ...`` and a pointer to --help."""
+    return f"{prog}: error: {message}\nrun '{prog} --help' for usage\n"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose ``error`` prints ``usage_message`` (exit 2) instead of the usage block
+    followed by the error. Subcommand parsers are of the same class (``add_subparsers`` makes them so)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, usage_message(self.prog, message))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from attn_spec.version import __version__
     from attn_spec.commands import COMMANDS
 
-    parser = argparse.ArgumentParser(prog="attn-spec", description="Property-based conformance checks for attention.",
+    parser = Parser(prog="attn-spec", description="Property-based conformance checks for attention.",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"attn-spec {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -39,10 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def usage_error(args, message: str) -> int:
-    """``message`` in the command's own usage, as its parser's ``error`` prints it, but returned as exit 2."""
-    parser = args.commands[args.command]
-    parser.print_usage(sys.stderr)
-    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    """``message`` as the command's own parser's ``error`` prints it, but returned as exit 2."""
+    sys.stderr.write(usage_message(args.commands[args.command].prog, message))
     return EXIT_USAGE
 
 

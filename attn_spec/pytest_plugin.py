@@ -9,7 +9,8 @@ Installed with the kit (entry point ``pytest11``: ``attn_spec``); inert unless i
 Options, ini keys and environment variables come from one table (``attn_spec.settings``): each
 setting is ``--attn-NAME``, the ini key ``attn_NAME`` (``[tool.pytest.ini_options]``, pytest.ini,
 tox.ini, setup.cfg), ``ATTN_SPEC_NAME`` and ``NAME`` in ``[tool.attn-spec]``, in that order of
-precedence (command line > environment > ini key > pyproject.toml > default). Targets from the
+precedence (command line > environment > ini key > pyproject.toml > default). Targets are the one
+exception: ``--attn-target`` adds to the configured targets instead of replacing them. Targets from the
 command line are always checked; targets from configuration only when pytest runs without path
 arguments (as ``testpaths`` applies), so ``pytest tests/test_one.py`` stays a quick run.
 
@@ -85,6 +86,15 @@ def _ini_layer(config) -> config_table.Layer:
     return config_table.Layer(values, where, base=path.parent if path else None)
 
 
+def _add_configured_targets(settings: config_table.Settings, configured: config_table.Settings) -> None:
+    """``--attn-target`` adds: the configured targets (environment, ini key, pyproject.toml) after the
+    command line's, each once."""
+    extra = [t for t in configured["targets"] if t not in settings["targets"]]
+    if extra:
+        settings.values["targets"] = [*settings["targets"], *extra]
+        settings.sources["targets"] += f" and {configured.sources['targets']}"
+
+
 class AttnSpecSession:
     """The plugin's state in one pytest run: settings, seed, and (once needed) the loaded targets."""
 
@@ -95,14 +105,18 @@ class AttnSpecSession:
             self.settings = config_table.Settings.from_wire(shipped["settings"])
             self.active, self.seed = shipped["active"], config.workerinput[SEED_KEY]
         else:
+            whole_suite = getattr(config, "args_source", None) != pytest.Config.ArgsSource.ARGS
             try:
+                below = (_ini_layer(config),)
                 self.settings = config_table.load(config_table.command_line(config.option, pytest_flags=True),
-                                                  start=config.invocation_params.dir, below=(_ini_layer(config),))
+                                                  start=config.invocation_params.dir, below=below)
+                from_flags = self.settings.sources["targets"].startswith("the command line")
+                if from_flags and whole_suite:
+                    _add_configured_targets(self.settings, config_table.load(start=config.invocation_params.dir,
+                                                                             below=below))
             except config_table.SettingError as exc:
                 raise pytest.UsageError(f"attn-spec: {exc}") from None
-            from_flags = self.settings.sources["targets"].startswith("the command line")
-            self.active = bool(self.settings["targets"]) and (
-                from_flags or getattr(config, "args_source", None) != pytest.Config.ArgsSource.ARGS)
+            self.active = bool(self.settings["targets"]) and (from_flags or whole_suite)
             seed = self.settings["seed"]
             self.seed = random.randrange(2**32) if seed is None else seed
         self.checker = Checker(self.settings, self.seed) if self.active else None

@@ -200,13 +200,18 @@ def mask_semantics(target, case):
     allowed = mask.cpu().expand(w.shape)  # [..., Tq, Tk]
     leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
     if (leak != 0).any():
-        worst = leak.abs().nan_to_num(math.inf).max().item()
-        fail(f"{worst:.3g}", what="the largest weight on a masked key", expected="exactly 0",
+        fail(_worst_leak(leak), what="the largest weight on a masked key", expected="exactly 0",
              call="attention(Q, K, V=identity, mask)", cause=_leak_cause(w, allowed, q, k, mask), got=w,
              expected_tensor=reference.attention(q, k, k, mask)[1], labels=probes.WEIGHT_LABELS)
     _check_masked_inputs_unused(target, q, k, v, mask)
     _check_sunk_rows(target, q, k, mask)
     _check_float_mask(target, case, q, k, v, mask)
+
+
+def _worst_leak(leak) -> str:
+    """The largest weight on a masked key, as the report says it: "NaN" where one is NaN (it read "inf",
+    a weight no softmax gives)."""
+    return "NaN" if leak.isnan().any() else f"{leak.abs().max().item():.3g}"
 
 
 def _check_sunk_rows(target, q, k, mask):
@@ -220,8 +225,7 @@ def _check_sunk_rows(target, q, k, mask):
         leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
         if not (leak != 0).any():
             continue
-        worst = leak.abs().nan_to_num(math.inf).max().item()
-        fail(f"{worst:.3g}", what=f"the largest weight on a masked key when every score is {-level / math.sqrt(q.shape[-1]):.3g}",
+        fail(_worst_leak(leak), what=f"the largest weight on a masked key when every score is {-level / math.sqrt(q.shape[-1]):.3g}",
              expected="exactly 0", call="attention(Q', K', V=identity, mask), q_i = a e_0, k_j = -a e_0",
              cause="masked scores are replaced by a finite fill (masked_fill(~mask, -1e4) or -1e9) that lies above "
                    "the allowed scores, so the masked keys take the weight (fill with -inf or finfo(dtype).min)"

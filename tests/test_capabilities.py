@@ -89,7 +89,7 @@ def test_each_missing_capability_is_found_with_its_reason(fn, name, value, reaso
 def test_self_attention_only_modules_lack_cross():
     values, lacks = probe(SelfOnly(torch.nn.MultiheadAttention), convention="adapter")
     assert values["cross"] == "no" and "self-attention only" in lacks["cross"]
-    assert values["gqa"] == "n/a" and values["batch"] == "yes"
+    assert values["gqa"] == "n/a" and values["batch"] == "n/a"  # one sequence at a time: batch-independence n/a
 
 
 def test_dtypes_left_out_are_unchecked():

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = str(REPO / "examples" / "seed_attention.py")
 BUGGY = str(REPO / "examples" / "buggy_attention.py")
 QUICK = ["--profile", "quick", "--seed", "5"]
+USAGE_POINTER = "\nrun 'attn-spec check --help' for usage\n"
 
 USER_FILE = '''\
 import math
@@ -158,7 +159,7 @@ def test_usage_errors_exit_2_with_one_paragraph(name, workdir, capsys):
 def test_bad_settings_exit_2_in_checks_own_usage(argv, message, workdir, capsys):
     code, out, err = cli(capsys, "my_attention.py:attention", "--profile", "quick", *argv)
     assert code == 2 and out == ""
-    assert err.startswith("usage: attn-spec check ") and f"attn-spec check: error: {message}" in err
+    assert err.startswith(f"attn-spec check: error: {message}") and USAGE_POINTER in err
 
 
 def test_ambiguous_callable_exits_2(workdir, capsys):
@@ -266,7 +267,7 @@ def test_an_output_that_cannot_be_written_is_a_usage_error_before_the_run(where,
     monkeypatch.setattr(attn_spec.api, "run", lambda *a, **k: pytest.fail("the run started"))
     code, out, err = cli(capsys, f"{SEED}:attention", *QUICK, "--output", str(tmp_path / where))
     assert code == 2 and out == "" and message in err and "Traceback" not in err, err
-    assert err.startswith("usage: attn-spec check ")
+    assert err.startswith("attn-spec check: error: --output ") and USAGE_POINTER in err
 
 
 def test_convention_can_be_forced(workdir, capsys):
@@ -307,16 +308,24 @@ def test_a_signature_that_cannot_take_the_conventions_call_is_a_usage_error(targ
     assert "Traceback" not in err and "base.py" not in err
 
 
-def test_check_help_has_examples(capsys):
+@pytest.mark.parametrize("command", [["check"], [], ["grade"], ["config"]], ids=["check", "top", "grade", "config"])
+def test_help_has_examples_a_wheel_user_can_run(command, capsys):
+    """A wheel has no examples/ folder: the examples name the user's own file or importable targets."""
     with pytest.raises(SystemExit) as exit_:
-        main(["check", "--help"])
-    assert exit_.value.code == 0 and "Examples:" in capsys.readouterr().out
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "Examples:" in out
+    assert "examples/" not in out
+    if command in (["check"], []):
+        assert "attn_spec.reference:reference_attention" in out
 
 
-def test_top_level_help_has_examples(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--help"])
-    assert exit_.value.code == 0 and "Examples:" in capsys.readouterr().out
+def test_a_usage_error_says_what_is_wrong_first(workdir, capsys):
+    code, out, err = cli(capsys, "my_attention.py:attention", "--profile", "huge")
+    assert code == 2 and out == ""
+    first, pointer = err.splitlines()
+    assert first.startswith("attn-spec check: error: profile='huge' from the command line (--profile)")
+    assert pointer == "run 'attn-spec check --help' for usage"
 
 
 # -- real processes: python -m attn_spec and the console script ---------------------------------------

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import html
 import json
 import os
+import re
 import shutil
 import tempfile
 import tomllib
@@ -102,10 +104,13 @@ def test_the_optional_module_is_a_bonus_that_never_lowers_a_grade(graded):
     ("buggy_softmax_dim", "function", "softmax-over-queries"),
     ("buggy_in_place", "function", "queries-scaled-in-place"),
     ("buggy_heads_view", "module", "heads-split-without-transpose"),
+    ("buggy_mask_after_softmax", "function", "mask-after-softmax"),
 ])
 def test_one_bug_is_one_named_root_and_costs_its_points_once(graded, name, conv, mistake):
     """Issue 26: each single-bug submission of the class gets one root, naming its bug, which explains every
-    failure; it loses exactly the root's points, and its maximum is everyone's."""
+    failure; it is charged once, at the weight of the most important property it breaks (issue 38: the
+    mask applied after the softmax, whose root is mask-semantics, worth 1, cost 1 although it breaks
+    rows-sum-to-one, worth 2), and its maximum is everyone's."""
     sub, correct = graded["by"][name], graded["by"]["correct_seed"]
     assert [(d["convention"], d["mistake"]) for d in sub["roots"]] == [(conv, mistake)]
     root = sub["roots"][0]
@@ -113,14 +118,16 @@ def test_one_bug_is_one_named_root_and_costs_its_points_once(graded, name, conv,
     failed = [p["id"] for p in rows.values() if p["status"] != "pass" and p["status"] != "n/a"]
     assert failed and sorted(root["explains"]) == sorted(failed)
     assert all(rows[p]["explained_by"] == mistake for p in failed)
-    assert all(rows[p]["blocked_by"] == root["root"] and rows[p]["points"] == rows[p]["max_points"]
-               for p in failed if p != root["root"])  # a symptom keeps its points
-    lost = rows[root["root"]]["max_points"]
+    assert all(rows[p]["blocked_by"] == root["root"] for p in failed if p != root["root"])
+    lost = max(rows[p]["max_points"] for p in failed)  # the most important property it breaks
+    charged = [p for p in failed if rows[p]["points"] < rows[p]["max_points"]]
+    assert [rows[p]["max_points"] - rows[p]["points"] for p in charged] == [lost]  # charged once; the rest keep theirs
     assert sub["max_score"] == correct["max_score"]
     full = correct["max_score"] if conv == "function" else sum(p["max_points"] for p in rows.values())
     assert (sub["score"] if conv == "function" else sub["bonus"]) == pytest.approx(full - lost)
     feedback = (graded["out"] / "feedback" / f"{name}.md").read_text()
     for words in (f"### Root 1 of 1: {root['sentence']} [{mistake}]", f"- fix: {root['fix']}", "- evidence: reproduces",
+                  f"- charged: {lost:g} point{'' if lost == 1 else 's'}, the weight of {charged[0]}, the",
                   "- explains: ", f"`attn-spec explain {mistake}`", "attn_spec.reproduce(", "counterexample"):
         assert words in feedback, words
 
@@ -164,7 +171,11 @@ def test_an_output_that_ignores_its_inputs_scores_at_most_a_tenth(graded, name):
 
 @pytest.mark.parametrize("name, outcome, words", [
     ("syntax_error", "syntax-error", "line 3"),
-    ("missing_import", "import-error", "'flash_attn_unavailable_module'"),
+    ("missing_import", "import-error", "line 3 of missing_import.py imports the module "
+                                       "'flash_attn_unavailable_module', which does not exist"),
+    ("misspelled_import", "import-error", "line 3 of misspelled_import.py imports the module 'torch.nn.functinal', "
+                                          "which does not exist: no such module in Python, its installed packages or "
+                                          "the submission's own files (did you mean 'torch.nn.functional'?)"),
     ("missing_attention", "missing-attention", "attention is not defined"),
     ("loop_in_function", "timeout", "took longer than 4 s"),
     ("sleeps", "timeout", "took longer than 4 s"),
@@ -301,6 +312,36 @@ def test_csv_summary_and_feedback_files(graded):
     assert len(list((out / "feedback").glob("*.md"))) == len(graded["by"])
 
 
+def _html_table(page: str, title: str) -> list[list[str]]:
+    """The cells of each row of the table titled ``title`` in summary.html."""
+    table = page.split(f"<h2>{title}</h2>", 1)[1].split("</table>", 1)[0]
+    return [cells for row in re.findall(r"<tr>(.*?)</tr>", table) if (cells := re.findall(r"<td[^>]*>(.*?)</td>", row))]
+
+
+def test_summary_html_holds_summary_mds_tables_and_a_histogram(graded):
+    """Issue 38.1: summary.html left out the scores, outcomes and names (the mistakes' students were a bare
+    count), so an import error and every score were invisible on the page."""
+    page = (graded["out"] / "summary.html").read_text()
+    subs = graded["grades"]["submissions"]
+    assert {row[0]: (row[1], row[2]) for row in _html_table(page, "Submissions")} == \
+        {html.escape(s["name"]): (f"{s['score']:g} / {s['max_score']:g}", s["outcome"]) for s in subs}
+    assert {row[0]: int(row[1]) for row in _html_table(page, "Outcomes")} == graded["grades"]["outcomes"]
+    assert "import-error" in graded["grades"]["outcomes"] and "misspelled_import" in page
+    view = json.loads((graded["out"] / "summary.json").read_text())
+    mistakes = {row[0]: row[3] for row in _html_table(page, "The class's mistakes")}
+    assert mistakes == {m["mistake"]: html.escape(", ".join(m["students"])) for m in view["mistakes"]}
+    unexplained = _html_table(page, "Failures no mistake explains")
+    assert [row[3] for row in unexplained] == [html.escape(", ".join(u["students"])) for u in view["unexplained"]]
+    svg = page.split("<h2>Scores</h2>", 1)[1].split("</svg>", 1)[0]
+    counts = [int(n) for n in re.findall(r"text-anchor='middle'>(\d+)</text>", svg)]
+    assert sum(counts) == sum(1 for s in subs if s["max_score"])  # every graded student is in one bar
+    tips = {t.split(": ", 1)[0]: t.split(": ", 1)[1].split(", ") for t in re.findall(r"<title>(.*?)</title>", svg)}
+    assert set(tips["100%"]) == {html.escape(s["name"]) for s in subs if s["max_score"] and s["score"] - s["bonus"] >= s["max_score"]}
+    assert "buggy_no_scale" in tips["90-99%"] and "returns_nan" in tips["0-9%"]
+    heatmap = page.split("<h2>Who made which mistake</h2>", 1)[1].split("</table>", 1)[0]
+    assert "buggy_no_scale_again" in heatmap and heatmap.count("class='x'") == sum(len({d["mistake"] for d in s["roots"]}) for s in subs)
+
+
 def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded):
     rubric = tmp_path / "rubric.toml"
     rubric.write_text(RUBRIC)
@@ -309,12 +350,19 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded
     out, err = capsys.readouterr()
     assert code == 0, err
     assert f"wrote grades.csv, grades.json, summary.md, summary.json, summary.html, results.json and feedback/ in {tmp_path / 'results'}" in out
+    assert "can read the others" not in err  # one submission: there are no others
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert isinstance(results["score"], float) and results["output"]
     assert {t["status"] for t in results["tests"]} == {"passed", "failed"}
     for test in results["tests"]:
         assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
         assert test["visibility"] == "visible" and test["score"] <= test["max_score"]
+        # the status follows the score: a symptom that keeps its points is not shown failed with full points
+        assert (test["status"] == "failed") == (test["score"] < test["max_score"]), test
+    symptoms = [t for t in results["tests"] if "symptom" in t["tags"]]
+    assert symptoms and all(t["output"].startswith("fails, not charged: explained by the mistake scale-missing")
+                            for t in symptoms)
+    assert "Mistakes found (1)" in results["output"] and "`scale-missing` (function)" in results["output"]
     assert results["score"] == sum(t["score"] for t in results["tests"])
     assert results["extra_data"]["max_score"] == sum(t["max_score"] for t in results["tests"])  # the same percentage
     assert results["score"] == graded["by"]["buggy_no_scale"]["score"]  # graded alone (--jobs 1) or by a judge

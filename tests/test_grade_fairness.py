@@ -52,6 +52,64 @@ def test_a_symptom_of_a_checked_root_keeps_its_points_unless_the_rubric_charges_
         rubrics.parse('charge_blocked = "no"')
 
 
+def test_a_root_is_charged_once_at_the_weight_of_the_most_important_property_it_breaks():
+    """Issue 38: a mask bug whose root the diagnosis names on mask-semantics (1 point) but which also breaks
+    causal-mask (2) cost 1; it costs 2 now, on causal-mask, and the feedback says why."""
+    rubric = rubrics.load(None)
+    rows = [_row("mask-semantics", "fail", max_points=1.0, explained_by="mask-after-softmax"),
+            _row("causal-mask", "fail", blocked_by="mask-semantics", explained_by="mask-after-softmax"),
+            _row("value-linearity", "fail", max_points=1.0, blocked_by="mask-semantics", explained_by="mask-after-softmax"),
+            _row("rows-sum-to-one", "pass")]
+    grade = _root(_graded(rows, rubric), "mask-after-softmax", ["mask-semantics", "causal-mask", "value-linearity"])
+    assert (grade.score, grade.max_score) == (4, 6)
+    assert [(r.id, r.points) for r in grade.properties] == [("mask-semantics", 1), ("causal-mask", 0),
+                                                            ("value-linearity", 1), ("rows-sum-to-one", 2)]
+    feedback = feedback_markdown(grade, rubric)
+    assert ("- charged: 2 points, the weight of causal-mask, the most important of the 3 properties it breaks; the "
+            "others are not charged") in feedback
+    assert "| causal-mask | ✗ fail (symptom of root 1) | 0 / 2 (the mistake's charge) |" in feedback
+    assert "| mask-semantics | ✗ fail (root 1: mask-after-softmax) | 1 / 1 (not charged) |" in feedback
+    alone = _root(_graded([_row("scale-sqrt-dk", "fail", explained_by="scale-missing")], rubric), "scale-missing",
+                  ["scale-sqrt-dk"])
+    assert "- charged: 2 points, the weight of scale-sqrt-dk, the only property it breaks" in \
+        feedback_markdown(alone, rubric)
+
+
+def test_the_rubric_can_price_a_mistake_whatever_it_breaks():
+    """[function.mistakes]: a mistake's price, taken from its heaviest broken properties first, at most what they
+    are worth; an id outside the catalog is a usage error."""
+    rubric = rubrics.parse('[function.mistakes]\nmask-after-softmax = 3\n')
+    rubric.check_catalog()
+    rows = [_row("mask-semantics", "fail", max_points=1.0, explained_by="mask-after-softmax"),
+            _row("causal-mask", "fail", blocked_by="mask-semantics", explained_by="mask-after-softmax"),
+            _row("value-linearity", "fail", max_points=1.0, blocked_by="mask-semantics", explained_by="mask-after-softmax")]
+    grade = _root(_graded(rows, rubric), "mask-after-softmax", ["mask-semantics", "causal-mask", "value-linearity"])
+    assert [(r.id, r.points) for r in grade.properties] == [("mask-semantics", 0), ("causal-mask", 0),
+                                                            ("value-linearity", 1)]
+    assert ("- charged: 3 points, the rubric's price of mask-after-softmax ([function.mistakes]), taken from "
+            "mask-semantics, causal-mask; the others are not charged") in feedback_markdown(grade, rubric)
+    high = _graded([_row("scale-sqrt-dk", "fail", explained_by="scale-missing")],
+                   rubrics.parse('[function.mistakes]\nscale-missing = 50\n'))
+    assert high.score == 0  # at most what the failures are worth
+    with pytest.raises(rubrics.RubricError, match="unknown mistake"):
+        rubrics.parse('[function.mistakes]\nno-such-mistake = 1\n').check_catalog()
+    with pytest.raises(rubrics.RubricError, match="must be a table"):
+        rubrics.parse('[function]\nmistakes = 3\n')
+
+
+def test_also_failing_lines_are_whole():
+    """Issue 38.6: the feedback cut each "also failing" line at 160 characters with "…"."""
+    rubric = rubrics.load(None)
+    long = "the output against the float64 reference: " + "max error 3.2 at [0, 1], " * 12 + "budget 1e-6"
+    grade = _root(_graded([_row("scale-sqrt-dk", "fail", explained_by="scale-missing"),
+                           _row("matches-reference", "fail", blocked_by="scale-sqrt-dk", explained_by="scale-missing")],
+                          rubric), "scale-missing", ["scale-sqrt-dk", "matches-reference"])
+    grade.properties[1].message = long
+    feedback = feedback_markdown(grade, rubric)
+    line = next(x for x in feedback.splitlines() if x.startswith("- matches-reference (not charged): "))
+    assert line.endswith("budget 1e-6") and "…" not in line
+
+
 def test_full_marks_leave_the_bonus_out():
     rubric = rubrics.load(None)
     grade = _graded([_row("rows-sum-to-one", "pass"), _row("matches-reference", "fail"),

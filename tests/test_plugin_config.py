@@ -90,6 +90,25 @@ def test_configured_targets_run_with_the_whole_suite_not_with_a_named_file(attn_
     flagged.assert_outcomes(passed=2)  # a target on the command line is always checked
 
 
+def test_a_target_on_the_command_line_adds_to_the_configured_ones(attn_project):
+    """README: ``--attn-target`` always adds its target; it used to replace the targets of [tool.attn-spec]."""
+    (attn_project.path / "pyproject.toml").write_text(
+        '[tool.attn-spec]\ntargets = ["attn_ok.py:attention"]\nprofile = "quick"\nonly = ["rows-sum-to-one"]\n')
+    both = attn_project.runpytest_inprocess("-v", "--attn-target", "attn_bad.py:attention", "--attn-target",
+                                            "attn_ok.py:attention")
+    both.assert_outcomes(passed=2)
+    both.stdout.fnmatch_lines(["attn-spec target: attn_bad.py:attention *", "attn-spec target: attn_ok.py:attention *",
+                               "*attn-spec?attn_bad.py:attention?::rows-sum-to-one PASSED*",
+                               "*attn-spec?attn_ok.py:attention?::rows-sum-to-one PASSED*"])
+    added = attn_project.runpytest_inprocess("-v", "--attn-target", "attn_bad.py:attention")
+    added.assert_outcomes(passed=2)  # the configured one too, once
+    attn_project.makepyfile(test_unit="def test_unit():\n    pass\n")
+    named = attn_project.runpytest_inprocess("test_unit.py", "--attn-target", "attn_bad.py:attention")
+    named.assert_outcomes(passed=2)
+    named.stdout.fnmatch_lines(["attn-spec target: attn_bad.py:attention *"])
+    assert "attn_ok.py" not in named.stdout.str()  # a named file: the configured targets wait for the whole suite
+
+
 def test_expected_failures_are_xfails_and_requirements_are_items(attn_project):
     (attn_project.path / "known.txt").write_text("scale-sqrt-dk  # divides by d_k\n")
     (attn_project.path / "pyproject.toml").write_text(

@@ -136,7 +136,7 @@ def test_decode_shapes_parse(text, shape):
 def test_bad_decode_shapes_are_usage_errors_that_show_the_forms(text, capsys):
     assert main(["check", f"{KERNELS}:decode_kernel", "--shapes", text]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: attn-spec check ") and repr(text) in err
+    assert err.startswith("attn-spec check: error: ") and repr(text) in err
     assert "B,H,[HKV,]S_NEW,S_CACHE,D[,page=P]" in err
     with pytest.raises(KitUsageError, match=r"S_NEW,S_CACHE,D"):
         attn_spec.check(decode_kernel, shapes=[text])

@@ -121,8 +121,8 @@ def test_a_bad_value_names_its_source(source, command, project, monkeypatch, cap
     argv = give(project, monkeypatch)
     assert main([command, SEED + ":attention", *argv]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith(f"usage: attn-spec {command} ")
-    assert f"attn-spec {command}: error: {message}" in err, err
+    assert out == "" and err.startswith(f"attn-spec {command}: error: {message}"), err
+    assert err.endswith(f"run 'attn-spec {command} --help' for usage\n")
 
 
 def test_a_setting_the_catalog_judges_names_its_source(project, capsys):
@@ -144,7 +144,7 @@ def test_a_bad_keyword_of_the_api_names_it():
 def test_no_target_anywhere_is_a_usage_error(project, capsys):
     assert main(["check"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: attn-spec check") and "no TARGET given, and no targets in [tool.attn-spec]" in err
+    assert err.startswith("attn-spec check: error: no TARGET given, and no targets in [tool.attn-spec]")
 
 
 def test_a_feature_not_yet_in_this_version_is_refused_not_ignored(project, capsys):
@@ -187,18 +187,29 @@ def test_settings_travel_to_xdist_workers_intact(project):
 
 
 @pytest.mark.parametrize("argv, usage", [
-    (["explain", "a", "b"], "usage: attn-spec explain "),
-    (["check", "--bogus"], "usage: attn-spec check "),
-    (["list", "extra"], "usage: attn-spec list "),
+    (["explain", "a", "b"], "attn-spec explain"),
+    (["check", "--bogus"], "attn-spec check"),
+    (["list", "extra"], "attn-spec list"),
 ])
 def test_a_subcommands_errors_speak_in_its_own_usage(argv, usage, capsys):
+    """The one line that says what is wrong comes first, then a pointer to the command's own --help
+    (argparse printed the whole usage block, 14 lines for check, before it)."""
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith(usage) and "unrecognized arguments" in err
+    assert exit_.value.code == 2
+    assert err.splitlines() == [f"{usage}: error: unrecognized arguments: {argv[-1]}", f"run '{usage} --help' for usage"]
+
+
+def test_a_missing_command_is_one_line_then_the_pointer(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["attn-spec: error: the following arguments are required: COMMAND",
+                                                    "run 'attn-spec --help' for usage"]
 
 
 def test_unknown_property_in_explain_speaks_in_explains_usage(capsys):
     assert main(["explain", "no-such-property"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: attn-spec explain ") and "attn-spec explain: error: unknown property id" in err
+    assert err.startswith("attn-spec explain: error: unknown property id") and "usage:" not in err

@@ -203,3 +203,70 @@ def test_tutorial_runs_and_shows_what_it_announces():
             failed = set(re.findall(r"^FAIL ([a-z-]+)", chunk, re.M))
             assert expected <= failed, f"{title}: the text announces {expected}, the kit reported {failed}"
     assert verdicts[-1] == "CONFORMS"
+
+
+def test_a_nan_weight_on_a_masked_key_is_said_nan_not_inf():
+    """Issue 38.6: NaN weights on masked keys (softmax over the queries of a -inf-filled mask) read "inf"."""
+    import math
+
+    import attn_spec
+
+    def softmax_over_queries(Q, K, V, mask=None):
+        scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-2) @ V
+
+    report = attn_spec.check(softmax_over_queries, only=["mask-semantics"], profile="quick", seed=3, diagnose=False)
+    (result,) = report.targets[0].properties
+    assert result.status == "fail" and "the largest weight on a masked key: NaN, expected exactly 0" in result.message
+
+
+def test_the_table_says_explained_by_for_evidence_and_blocked_by_only_without_it():
+    """Issue 38.6: failures a named root reproduces read "blocked by scale-sqrt-dk", README's word for a failure
+    with no evidence of its own."""
+    import attn_spec
+    from attn_spec.report.text import row_verdict
+
+    from test_cli import BUGGY
+
+    report = attn_spec.check(f"{BUGGY}:attention", profile="quick", seed=7)
+    (target,) = report.targets
+    (root,) = target.diagnoses
+    verdicts = {p.id: row_verdict(p, target) for p in target.failures}
+    assert verdicts["scale-sqrt-dk"] == "fail (root 1)"
+    for pid in root.explains[1:]:
+        word = f"blocked by {root.root}" if pid in root.unproven else f"explained by {root.mistake}"
+        assert verdicts[pid] == f"fail (root 1: {word})"
+    assert root.evidenced[1:] and "explained by scale-one-over-dk" in str(report)
+
+
+def test_the_verdict_counts_apart_the_failures_that_never_ran():
+    """Issue 38.6: "16 of 27 properties fail" where the table read "not run (root 1)" for 15 of them (a target
+    that raises on every masked call)."""
+    import attn_spec
+    from attn_spec.report.text import row_verdict
+    from gallery.masking import sparse_mask
+
+    report = attn_spec.check(sparse_mask, profile="quick", seed=1)
+    (target,) = report.targets
+    rows = [row_verdict(p, target) for p in target.failures]
+    not_run = sum(v.startswith("not run") for v in rows)
+    assert not_run and target.verdict.startswith(
+        f"DOES NOT CONFORM ({len(rows) - not_run} of {len(target.properties) - sum(p.status == 'not-run' for p in target.properties)} "
+        f"properties fail, {not_run} more not run")
+
+
+def test_a_module_header_lists_no_batch_capability_where_batch_independence_does_not_apply():
+    """Issue 38.6: the module's header listed `batch` while batch-independence "does not apply to the module
+    convention"."""
+    import attn_spec
+    from attn_spec.reference import MultiHeadAttention
+    from attn_spec.report.text import header_lines
+
+    report = attn_spec.check(MultiHeadAttention, only=["batch-independence", "rows-sum-to-one"], profile="quick")
+    (target,) = report.targets
+    skipped = next(p for p in target.properties if p.id == "batch-independence")
+    assert skipped.status == "skip" and "does not apply to the module convention" in skipped.message
+    capabilities = next(line for line in header_lines(target) if line.startswith("capabilities: "))
+    assert "batch" not in capabilities.replace("batch-independence", "") and "mask" in capabilities

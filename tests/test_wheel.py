@@ -32,15 +32,53 @@ def _readme_first_check() -> list[str]:
     return words[1:]
 
 
-def _bare_python(where: Path) -> Path:
-    """A virtual environment with no kit in it: the test venv's dependencies (torch, ...) through a .pth that
-    names its site-packages as a plain path, so that folder's own .pth files (the editable finder) never run."""
+def _declared(wheel: Path) -> set[str]:
+    """The distributions a venv with only the wheel has: its Requires-Dist and theirs, as installed here
+    (markers evaluated, extras left out), by normalised name."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    with zipfile.ZipFile(wheel) as archive:
+        text = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    todo = [Requirement(line.split(":", 1)[1]) for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    found: set[str] = set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in found or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        found.add(name)
+        todo += [Requirement(r) for r in metadata.distribution(name).requires or ()]
+    return found
+
+
+def _only(names: set[str], folder: Path) -> Path:
+    """``folder`` holding links to the installed files of the distributions ``names`` and nothing else."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    folder.mkdir()
+    for dist in metadata.distributions():
+        if canonicalize_name(dist.metadata["Name"]) in names:
+            site = Path(dist.locate_file(""))
+            for top in {Path(f).parts[0] for f in dist.files or () if not str(f).startswith("..")}:
+                if (site / top).exists() and not (folder / top).exists():
+                    (folder / top).symlink_to(site / top)
+    return folder
+
+
+def _bare_python(where: Path, deps: Path | None = None) -> Path:
+    """A virtual environment with no kit in it: the test venv's dependencies (torch, ...), or the folder ``deps``,
+    through a .pth that names it as a plain path, so that folder's own .pth files (the editable finder) never run."""
     venv = where / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n", encoding="utf-8")
+    Path(site, "deps.pth").write_text(f"{deps or sysconfig.get_paths()['purelib']}\n", encoding="utf-8")
     return python
 
 
@@ -66,7 +104,7 @@ def test_a_wheel_built_from_a_clean_tree_installs_and_checks_readmes_first_targe
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
                     "--target", str(target), str(wheel)], check=True)
-    python = _bare_python(tmp_path)
+    python = _bare_python(tmp_path, _only(_declared(wheel), tmp_path / "deps"))  # what the wheel declares, no more
     env = {**os.environ, "PYTHONPATH": str(target)}
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -80,3 +118,12 @@ def test_a_wheel_built_from_a_clean_tree_installs_and_checks_readmes_first_targe
                          cwd=outside, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "examples/seed_attention.py:attention (function convention): CONFORMS" in run.stdout
+    # torch without numpy warns "Failed to initialize NumPy" at every import, the kit's and a reproduce snippet's:
+    # the wheel declares numpy (issue 38.5), so the venv above has it
+    run = subprocess.run([python, "-m", "attn_spec", "check", "attn_spec.reference:reference_attention", "--profile",
+                          "quick"], cwd=outside, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "CONFORMS" in run.stdout, run.stdout + run.stderr
+    snippet = subprocess.run([python, "-c", "import torch; from attn_spec import reproduce"], cwd=outside, env=env,
+                             capture_output=True, text=True, timeout=600)
+    for stderr in (run.stderr, snippet.stderr):
+        assert "NumPy" not in stderr, stderr

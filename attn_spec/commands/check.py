@@ -9,7 +9,8 @@ from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
 
 CHECK_EPILOG = """\
 Examples:
-  attn-spec check examples/seed_attention.py:attention
+  attn-spec check my_attention.py:attention                   # your own file: path:name
+  attn-spec check attn_spec.reference:reference_attention --profile quick   # the kit's own: it conforms
   attn-spec check                  # targets and settings from [tool.attn-spec] in pyproject.toml
   attn-spec check mypkg.attn:MultiHeadAttention --profile thorough
   attn-spec check my.py:attention --only scale-sqrt-dk causal-mask --seed 42

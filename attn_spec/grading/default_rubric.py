@@ -14,8 +14,8 @@ devices = ["cpu"]
 # A folder submission is imported from the first of these files it has (or its only .py file).
 entry = ["attention.py", "submission.py", "main.py", "__init__.py"]
 # A failure that a root's mistake explains (the grader replays it and the mistake model reproduces
-# its calls) is that root's symptom: it keeps its points, so one bug costs its root's points once.
-# true charges every failure.
+# its calls) is that root's symptom: it keeps its points, so one bug is charged once, at the weight of
+# the most important property it breaks. true charges every failure.
 charge_blocked = false
 
 [limits]
@@ -54,6 +54,11 @@ permutation-equivariance = 1
 scale-sqrt-dk = 2
 cross-attention-shapes = 1
 matches-reference = 2
+
+# A named mistake costs the points of the most important property it breaks. To price one yourself
+# (taken from its heaviest broken properties first, at most what they are worth), uncomment:
+# [function.mistakes]
+# softmax-over-queries = 4
 
 [module]                     # class MultiHeadAttention(d_model, n_heads) in the seed's form
 name = "MultiHeadAttention"

@@ -6,8 +6,13 @@ the student's code only ever runs in a child forked from the zygote.
 """
 from __future__ import annotations
 
+import difflib
+import importlib.machinery
+import importlib.util
 import itertools
 import os
+import pkgutil
+import sys
 import time
 import traceback
 import warnings
@@ -45,7 +50,8 @@ class PropertyGrade(PropertyResult):
     bad-output, not-run, missing, or the outcome that stopped grading during it. ``counts``: how the
     row counts, "score" (in score and max_score), "bonus" (in score only), or "no" (n/a: nobody is graded
     on it here). ``explained_by``: the mistake of the checked root that explains this failure (see
-    attn_spec.grading.roots); with ``blocked_by`` set, the failure is that root's symptom, not charged."""
+    attn_spec.grading.roots); with ``blocked_by`` set, the failure is that root's symptom. A root is charged
+    once, on its heaviest failures (``charges``); its other failures are not charged."""
 
     convention: str = ""
     points: float = 0.0
@@ -319,28 +325,107 @@ def _note_calls(grade: Grade, child) -> None:
     grade.forbidden += [{"name": name, "how": "called while grading"} for name in sorted(child.forbidden - noted)]
 
 
+def _module_exists(name: str) -> bool | None:
+    """Whether the module ``name`` can be found in the grader's Python, importing nothing new: a top-level
+    name is looked up on sys.path, a submodule inside its parent when the grader has imported that parent
+    (torch.nn, say). None: it cannot tell without importing a package the submission named."""
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        full = ".".join(parts[:depth])
+        if full in sys.modules:
+            continue
+        parent = sys.modules.get(".".join(parts[:depth - 1])) if depth > 1 else None
+        if depth > 1 and not hasattr(parent, "__path__"):
+            return None if parent is None else False  # an unimported parent, or one that is no package
+        try:
+            spec = (importlib.util.find_spec(full) if depth == 1 else
+                    importlib.machinery.PathFinder.find_spec(full, list(parent.__path__)))
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return False
+        if depth < len(parts):
+            return None  # found but not imported here: looking inside it would import it
+    return True
+
+
+def _close_module(name: str) -> str:
+    """`` (did you mean 'torch.nn.functional'?)`` for a misspelt submodule of a package the grader has imported."""
+    parent, _, leaf = name.rpartition(".")
+    package = sys.modules.get(parent)
+    if not leaf or not hasattr(package, "__path__"):
+        return ""
+    close = difflib.get_close_matches(leaf, [m.name for m in pkgutil.iter_modules(package.__path__)], n=1)
+    return f" (did you mean {f'{parent}.{close[0]}'!r}?)" if close else ""
+
+
+def _import_problem(loaded: dict, sub: Submission, message: str) -> str:
+    """A failed import in the student's words: which line imports what, and whether that module exists."""
+    where = (f"line {loaded['line']} of {str(loaded.get('file') or sub.entry)[:200]}"
+             if isinstance(loaded.get("line"), int) else sub.entry or "it")
+    module, kind = loaded["module"], str(loaded.get("type", ""))
+    if kind != "ModuleNotFoundError":  # the module was found; a name in it, or its own import, failed
+        return f"{where} raised {kind[:80] or 'ImportError'} while importing: {message}"
+    exists = _module_exists(module)
+    if exists is False:
+        return (f"{where} imports the module {module!r}, which does not exist: no such module in Python, its "
+                f"installed packages or the submission's own files{_close_module(module)}. Check its spelling, "
+                f"or submit the file it is in.")
+    return (f"{where} imports the module {module!r}, which is installed where it is graded but could not be "
+            f"imported by the submission ({message})")
+
+
 def _load_problem(loaded: dict, sub: Submission) -> tuple[str, str]:
     outcome = loaded.get("outcome") if loaded.get("outcome") in OUTCOMES else "import-error"
     message = str(loaded.get("message", ""))[:2000]
     if outcome == "syntax-error":
         return outcome, f"{loaded.get('file') or sub.entry}, line {loaded.get('line')}: {message}"
     if outcome == "import-error" and isinstance(loaded.get("module"), str):
-        return outcome, (f"it imports the module {loaded['module']!r}, which is not available where it is graded "
-                         f"({message})")
+        return outcome, _import_problem(loaded, sub, message)
     trace = str(loaded.get("traceback", ""))[-3000:]
     return outcome, (f"importing it raised {str(loaded.get('type', 'an exception'))[:80]}: {message}"
                      + (f"\n{trace}" if trace else ""))
 
 
+def root_rows(rows) -> dict[tuple[str, str], list]:
+    """The failing rows each checked root explains, by (convention, the root's property): its own row
+    (``explained_by`` set, ``blocked_by`` None) and its symptoms (``blocked_by`` the root's property)."""
+    found: dict[tuple[str, str], list] = {}
+    for row in rows:
+        if row.status == "fail" and row.explained_by:
+            found.setdefault((row.convention, row.blocked_by or row.id), []).append(row)
+    return found
+
+
+def charges(rows, weight: float | None = None) -> dict[int, float]:
+    """id(row) -> the points a root's failing ``rows`` lose: its charge, taken from the most important property
+    it breaks first (the most points; its own property on a tie). The charge is that property's points, or
+    ``weight`` when the rubric prices the mistake ([function.mistakes]), at most what the rows are worth. So a
+    mistake costs the same whichever property the diagnosis names it on: a mask bug whose root is
+    mask-semantics (1 point) that also breaks causal-mask (2) costs 2."""
+    ordered = sorted(rows, key=lambda row: (row.max_points, row.blocked_by is None), reverse=True)
+    left = ordered[0].max_points if weight is None else weight
+    lost = {}
+    for row in ordered:
+        lost[id(row)], left = min(left, row.max_points), left - min(left, row.max_points)
+    return lost
+
+
 def _score(grade: Grade, rubric: Rubric) -> None:
-    """Points for passed properties, and for failures a checked root explains as its symptom (unless the
-    rubric charges those): so one bug costs its root's points once. Everything else earns nothing
-    (fail closed), a vacuous failure included. max_score is every counted row's points, pass or fail,
-    so it is the same for every student (n/a rows are n/a for everyone); a property the platform kept
-    from being checked costs nothing; a bonus convention's rows add to the score only. The forbidden penalty scales the total."""
+    """Points for passed properties; a checked root is charged once (``charges``: the weight of the most
+    important property it breaks, or the rubric's price of the mistake), and its other failures keep their
+    points (unless the rubric charges them too). Everything else earns nothing (fail closed), a vacuous failure included. max_score is
+    every counted row's points, pass or fail, so it is the same for every student (n/a rows are n/a for
+    everyone); a property the platform kept from being checked costs nothing; a bonus convention's rows
+    add to the score only. The forbidden penalty scales the total."""
+    lost = {}
+    for (conv, _), rows in root_rows(grade.properties).items():
+        lost.update(charges(rows, rubric.conventions[conv].mistakes.get(rows[0].explained_by)))
     for row in grade.properties:
-        symptom = row.status == "fail" and row.explained_by and row.blocked_by and not rubric.charge_blocked
-        row.points = row.max_points if row.status == "pass" or symptom or _platform_only(row) else 0.0
+        if id(row) in lost and not rubric.charge_blocked:
+            row.points = row.max_points - lost[id(row)]
+        else:
+            row.points = row.max_points if row.status == "pass" or _platform_only(row) else 0.0
         if row.status == "n/a":
             row.max_points, row.counts = 0.0, "no"
         else:

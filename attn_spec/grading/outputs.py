@@ -50,8 +50,9 @@ POLICY_TEXT = {
               "can only raise your grade."),
 }
 SYMPTOM_NOTE = ("A failure marked *symptom of root N* is explained by that root's mistake: the grader replayed it "
-                "and the mistake reproduces every call. It keeps its points, so the bug costs the root's points "
-                "once. Fix the root and its symptoms go with it.")
+                "and the mistake reproduces every call. A mistake is charged once, at the weight of the most "
+                "important property it breaks; its other failures keep their points (not charged). Fix the root "
+                "and its symptoms go with it.")
 
 
 def _roots(grade, conv: str) -> list[dict]:
@@ -74,7 +75,8 @@ def _points(x: float) -> str:
 def _row_points(row) -> str:
     if row.status == "n/a":
         return "n/a"
-    kept = " (not charged)" if row.status == "fail" and row.points else ""
+    kept = (" (not charged)" if row.status == "fail" and row.points else
+            " (the mistake's charge)" if row.status == "fail" and row.explained_by and row.blocked_by else "")
     return f"{_points(row.points)} / {_points(row.max_points)}" + (" bonus" if row.counts == "bonus" else "") + kept
 
 
@@ -83,23 +85,46 @@ def _failure(row) -> list[str]:
     return [render(row, "markdown", traceback=True, untrusted=True), ""]
 
 
-def root_markdown(d: dict, index: int, total: int, rows: dict) -> list[str]:
+def root_markdown(d: dict, index: int, total: int, rows: dict, rubric=None) -> list[str]:
     """One root, as ``attn-spec check`` shows it: the named mistake, its fix and evidence, what it explains,
     the failure that shows it (counterexample and reproduce snippet) and the lesson. Its text is the
     kit's own (attn_spec.grading.roots builds it from the catalog), never the submission's."""
     lines = [f"### Root {index} of {total}: {d['sentence']} [{d['mistake']}]", "",
              f"- fix: {d['fix']}", f"- evidence: {d['evidence']}",
-             f"- explains: {', '.join(d['explains'])}",
+             f"- explains: {', '.join(d['explains'])}", *_charge_line(d, rows, rubric),
              f"- the lesson: `attn-spec explain {d['mistake']}`", ""]
     shown = rows.get(d["root"])
     if shown is not None:
         lines += _failure(shown)
     others = [rows[p] for p in d["explains"] if p != d["root"] and p in rows]
     if others:
-        lines += ["Also failing because of this root (not charged):", ""]
-        lines += [f"- {p.id}: {md.inline((p.message.strip().splitlines() or [''])[0], limit=160)}" for p in others]
+        lines += ["Also failing because of this root:", ""]
+        lines += [f"- {p.id} ({'not charged' if p.points else 'charged'}): "
+                  f"{md.inline((p.message.strip().splitlines() or [''])[0])}" for p in others]  # whole, never cut
         lines.append("")
     return lines
+
+
+def _charge_line(d: dict, rows: dict, rubric=None) -> list[str]:
+    """What the root cost and why: once, at the weight of the most important property it breaks, or at the
+    rubric's price of the mistake."""
+    explained = [rows[p] for p in d["explains"] if p in rows]
+    lost = [r for r in explained if r.points < r.max_points]
+    if not lost:
+        return []
+    total = _points(sum(r.max_points - r.points for r in lost))
+    if rubric is not None and rubric.charge_blocked:
+        return [f"- charged: {total} points, every property it breaks (the rubric charges each failure)"]
+    price = rubric.conventions[d["convention"]].mistakes.get(d["mistake"]) if rubric is not None else None
+    if price is not None:
+        return [f"- charged: {total} point{'' if total == '1' else 's'}, the rubric's price of {d['mistake']} "
+                f"([{d['convention']}.mistakes]), taken from {', '.join(r.id for r in lost)}; the others are "
+                "not charged"]
+    (row,) = lost
+    why = ("the only property it breaks" if len(explained) == 1 else
+           f"the most important of the {len(explained)} properties it breaks; the others are not charged")
+    return [f"- charged: {_points(row.max_points - row.points)} point{'' if row.max_points == 1 else 's'}, the "
+            f"weight of {row.id}, {why} (a mistake is charged once, whichever property names it)"]
 
 
 def _score_line(grade) -> str:
@@ -136,7 +161,7 @@ def feedback_markdown(grade, rubric) -> str:
         if roots or failed:
             lines += ["", "## What to fix" if conv == "function" else f"## What to fix in {section.name}", ""]
             for i, d in enumerate(roots, 1):
-                lines += root_markdown(d, i, len(roots), by_id)
+                lines += root_markdown(d, i, len(roots), by_id, rubric)
             if roots and failed:
                 lines += ["### Other failures (no mistake model explains them)", ""]
             for row in failed:
@@ -197,24 +222,42 @@ def grades_json(grades, rubric) -> str:
     return json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n"
 
 
+def _mistakes_markdown(grade) -> list[str]:
+    """The named mistakes of a submission, one line each: what it is, the fix, what it explains."""
+    if not grade.roots:
+        return []
+    lines = [f"**Mistakes found ({len(grade.roots)})**: each is charged once; the other failures it explains "
+             "are not charged.", ""]
+    for d in grade.roots:
+        lines.append(f"- `{d['mistake']}` ({d['convention']}): {d['sentence']} Fix: {d['fix']} "
+                     f"Explains {', '.join(d['explains'])}. Lesson: `attn-spec explain {d['mistake']}`.")
+    return lines
+
+
 def gradescope_json(grade, rubric) -> str:
-    """Gradescope's results.json for one submission (score, execution_time, output, tests[])."""
+    """Gradescope's results.json for one submission (score, execution_time, output, tests[]). A test's status
+    follows its score (Gradescope's own default): a failure a root explains that keeps its points (a symptom,
+    not charged) is "passed", and its output says that it fails and why it costs nothing."""
     tests = []
     for row in grade.properties:
         if row.status == "n/a":
             continue
         text = "\n".join(_failure(row)) if row.status != "pass" else f"{row.id}: {row.statement}"
+        kept = row.status != "pass" and 0 < row.max_points <= row.points
         if row.explained_by:
-            text = f"explained by the mistake {row.explained_by} (attn-spec explain {row.explained_by})\n\n" + text
+            charge = ("fails, not charged: " if kept else "") + f"explained by the mistake {row.explained_by}"
+            text = f"{charge} (attn-spec explain {row.explained_by})\n\n" + text
         tests.append({"name": f"{rubric.conventions[row.convention].name}: {row.id}", "score": row.points,
                       "max_score": 0.0 if row.counts != "score" else row.max_points,  # they add up to max_score
-                      "status": "passed" if row.status == "pass" else "failed",
+                      "status": "passed" if row.status == "pass" or kept else "failed",
                       "output": text, "output_format": "md", "visibility": "visible",
                       "tags": [row.convention, row.status] + (["bonus"] if row.counts == "bonus" else [])
                       + (["symptom"] if row.status == "fail" and row.points else [])})
     head = f"**{grade.outcome}**: {OUTCOME_TEXT.get(grade.outcome, '')}"
     detail = md.text(grade.detail) if grade.detail else ""
-    data = {"score": grade.score, "execution_time": grade.seconds, "output": head + (f"\n\n{detail}" if detail else ""),
+    output = "\n\n".join([head, *([detail] if detail else []), *(["\n".join(_mistakes_markdown(grade))]
+                                                                 if grade.roots else [])])
+    data = {"score": grade.score, "execution_time": grade.seconds, "output": output,
             "output_format": "md", "visibility": "visible", "stdout_visibility": "hidden", "tests": tests,
             "extra_data": {"outcome": grade.outcome, "max_score": grade.max_score, "bonus": grade.bonus,
                            "forbidden": grade.forbidden}}

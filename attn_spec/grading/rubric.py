@@ -37,6 +37,8 @@ class ConventionRubric:
     policy: str  # one of POLICIES
     default_points: float
     points: dict = field(default_factory=dict)  # property id -> points
+    mistakes: dict = field(default_factory=dict)  # mistake id -> what it costs, whatever it breaks (else: its
+    # heaviest broken property's points)
 
     @property
     def required(self) -> bool:
@@ -84,6 +86,13 @@ class Rubric:
                 if conv not in REGISTRY[pid].conventions:
                     raise RubricError(f"{self.source}: [{conv}] names {pid!r}, which does not apply to the "
                                       f"{conv} convention")
+            if section.mistakes:
+                from attn_spec.diagnosis import MISTAKES
+
+                unknown = sorted(set(section.mistakes) - set(MISTAKES))
+                if unknown:
+                    raise RubricError(f"{self.source}: [{conv}.mistakes] names unknown mistake(s) "
+                                      f"{', '.join(map(repr, unknown))} (attn-spec list --mistakes)")
 
 
 def _table(data: dict, key: str, where: str) -> dict:
@@ -166,17 +175,21 @@ def parse(text: str, source: str = "rubric") -> Rubric:
     conventions = {}
     for conv in CONVENTIONS:
         given = _table(data, conv, source)
-        _unknown(given, ("name", "policy", "required", "default_points", "points"), f"{source} [{conv}]")
+        _unknown(given, ("name", "policy", "required", "default_points", "points", "mistakes"), f"{source} [{conv}]")
         section = {**base[conv], **given}
         points_in = section["points"] if "points" in given else base[conv]["points"]
         if not isinstance(points_in, dict):
             raise RubricError(f"{source}: [{conv}.points] must be a table of property id = points")
+        mistakes_in = given.get("mistakes", {})
+        if not isinstance(mistakes_in, dict):
+            raise RubricError(f"{source}: [{conv}.mistakes] must be a table of mistake id = points")
         if not isinstance(section["name"], str) or not section["name"].isidentifier():
             raise RubricError(f"{source} [{conv}] name must be a Python identifier")
         conventions[conv] = ConventionRubric(
             section["name"], _policy(given, base[conv], f"{source} [{conv}]"),
             _number(section["default_points"], f"{source} [{conv}] default_points"),
-            {pid: _number(p, f"{source} [{conv}.points] {pid}") for pid, p in points_in.items()})
+            {pid: _number(p, f"{source} [{conv}.points] {pid}") for pid, p in points_in.items()},
+            {m: _number(p, f"{source} [{conv}.mistakes] {m}") for m, p in mistakes_in.items()})
     return Rubric(profile, merged["seed"], _strings(merged["dtypes"], f"{source}: dtypes", DTYPES),
                   _strings(merged["devices"], f"{source}: devices", available_devices()), _strings(merged["entry"], f"{source}: entry"),
                   limits, calls, penalty, conventions, source, merged["charge_blocked"])

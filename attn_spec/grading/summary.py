@@ -111,20 +111,62 @@ def summary_json(view: dict) -> str:
     return json.dumps(view, indent=2, allow_nan=False) + "\n"
 
 
+STYLE = ("body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse;margin:1em 0}"
+         "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;text-align:left}th.r{writing-mode:vertical-rl;"
+         "transform:rotate(180deg)}td.x{background:#c0392b}td.o{background:#f4f4f4}td.n{text-align:right}"
+         "svg text{font-size:11px;font-family:sans-serif}rect.bar{fill:#2e86c1}")
+BINS = 11  # the histogram's bins: 0-9%, 10-19%, ..., 90-99%, and full marks (100%) on its own
+
+
+def histogram(view: dict) -> str:
+    """The class's scores (fraction of the maximum, bonus left out) as an inline SVG bar chart: one bar per
+    tenth and one for full marks, its count above it, the students' names in its tooltip. No script: it renders
+    anywhere."""
+    bins: list[list[str]] = [[] for _ in range(BINS)]
+    for st in view["students"]:
+        if st["max_score"]:
+            fraction = max(0.0, (st["score"] - st["bonus"]) / st["max_score"])
+            bins[min(BINS - 1, int(fraction * (BINS - 1) + 1e-9))].append(st["name"])
+    top, width, height = max(1, *(len(b) for b in bins)), 44, 120
+    bars = []
+    for i, names in enumerate(bins):
+        h = round(height * len(names) / top)
+        x, label = 40 + i * width, "100%" if i == BINS - 1 else f"{i * 10}-{i * 10 + 9}%"
+        tip = html.escape(f"{label}: {', '.join(names) or 'nobody'}")
+        bars.append(f"<g><title>{tip}</title><rect class='bar' x='{x + 4}' y='{20 + height - h}' width='{width - 8}' "
+                    f"height='{h}'/><text x='{x + width / 2}' y='{14 + height - h}' text-anchor='middle'>"
+                    f"{len(names) or ''}</text><text x='{x + width / 2}' y='{height + 36}' "
+                    f"text-anchor='middle'>{label}</text></g>")
+    return (f"<h2>Scores</h2><svg role='img' aria-label='histogram of the scores' width='{80 + BINS * width}' "
+            f"height='{height + 50}'><line x1='40' y1='{20 + height}' x2='{40 + BINS * width}' y2='{20 + height}' "
+            f"stroke='#555'/>{''.join(bars)}</svg>")
+
+
+def _html_names(names: list[str]) -> str:
+    return html.escape(", ".join(names))
+
+
 def summary_html(view: dict) -> str:
-    """summary.md's tables as a page, with a students x mistakes heatmap once the class has
-    :data:`HEATMAP_MIN` students or more (a filled cell: the student made that mistake)."""
+    """summary.md's tables as a page (scores, outcomes, the class's mistakes with their students, what no
+    mistake explains, each submission), with the class at a glance: a histogram of the scores, and a
+    students x mistakes heatmap once the class has :data:`HEATMAP_MIN` students or more (a filled cell:
+    the student made that mistake)."""
     e = html.escape
-    out = ["<!doctype html><meta charset='utf-8'><title>Class summary</title>",
-           "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-           "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}th.r{writing-mode:vertical-rl;"
-           "transform:rotate(180deg)}td.x{background:#c0392b}td.o{background:#f4f4f4}</style>",
+    out = ["<!doctype html><meta charset='utf-8'><title>Class summary</title>", f"<style>{STYLE}</style>",
            f"<h1>Class summary</h1><p>{view['submissions']} submissions · profile {e(view['profile'])} · "
-           f"seed {view['seed']}</p>"]
+           f"seed {view['seed']} · rubric: {e(view['rubric'])}</p>"]
+    s = view["scores"]
+    if s["mean"] is not None:
+        out.append(f"<p>Scores (fraction of max, bonus left out): mean {s['mean']:.0%}, median {s['median']:.0%}, "
+                   f"full marks {s['full_marks']} of {view['submissions']}</p>")
+        out.append(histogram(view))
+    out.append(_html_table("Outcomes", ("outcome", "submissions"),
+                           [(e(outcome), n) for outcome, n in view["outcomes"].items()]))
     if view["mistakes"]:
-        out.append(_html_table("The class's mistakes", ("mistake", "convention", "students", "fix", "lesson"),
-                               [(e(m["mistake"]), e(m["convention"]), len(m["students"]), e(m["fix"]),
-                                 f"<code>{e(m['lesson'])}</code>") for m in view["mistakes"]]))
+        out.append(_html_table("The class's mistakes", ("mistake", "convention", "students", "which", "fix", "lesson"),
+                               [(e(m["mistake"]), e(m["convention"]), f"{len(m['students'])} of {view['submissions']}",
+                                 _html_names(m["students"]), e(m["fix"]), f"<code>{e(m['lesson'])}</code>")
+                                for m in view["mistakes"]]))
     if view["mistakes"] and view["submissions"] >= HEATMAP_MIN:
         columns = [m["mistake"] for m in view["mistakes"]]
         out.append("<h2>Who made which mistake</h2><table><tr><th>student</th>"
@@ -134,9 +176,15 @@ def summary_html(view: dict) -> str:
             out.append(f"<tr><td>{e(st['name'])}</td>{cells}</tr>")
         out.append("</table>")
     if view["unexplained"]:
-        out.append(_html_table("Failures no mistake explains", ("property", "convention", "failed by", "most common cause"),
+        out.append(_html_table("Failures no mistake explains",
+                               ("property", "convention", "failed by", "which", "most common cause"),
                                [(e(u["property"]), e(u["convention"]), f"{len(u['students'])} of {u['of']}",
-                                 e(u["cause"][:300])) for u in view["unexplained"]]))
+                                 _html_names(u["students"]), e(u["cause"][:300])) for u in view["unexplained"]]))
+    out.append(_html_table("Submissions", ("name", "score", "outcome", "mistakes", "feedback"),
+                           [(e(st["name"]), f"{st['score']:g} / {st['max_score']:g}", e(st["outcome"]),
+                             e(", ".join(st["mistakes"]) or "-"),
+                             f"<a href='feedback/{e(st['feedback_file'])}'>{e(st['feedback_file'])}</a>")
+                            for st in view["students"]]))
     return "\n".join(out) + "\n"
 
 

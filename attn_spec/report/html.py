@@ -11,7 +11,7 @@ from html import escape
 
 from attn_spec.report.counterexample import Counterexample
 from attn_spec.report.matrices import CORNER, format_matrix, inputs_text
-from attn_spec.report.text import REPRODUCE_PLATFORM, header_lines, platform_head, root_head
+from attn_spec.report.text import REPRODUCE_PLATFORM, header_lines, platform_head, root_head, row_verdict
 
 MAX_CELLS = CORNER  # rows and columns drawn per heatmap: all a counterexample keeps
 
@@ -153,7 +153,7 @@ def _target(t) -> str:
     for p in t.properties:
         if p.status == "not-run":
             continue
-        verdict = p.status + (f" (blocked by {p.blocked_by})" if p.blocked_by else "") + (" (expected)" if p.expected else "")
+        verdict = row_verdict(p, t)
         rows.append(f'<tr><td>{escape(p.id)}</td><td class="{escape(p.status)}">{escape(verdict)}</td>'
                     f"<td>{p.examples}</td><td>{p.seconds:.2f}s</td></tr>")
     out.append('<table class="summary"><tr><th>property</th><th>verdict</th><th>examples</th><th>time</th></tr>'

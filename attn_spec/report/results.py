@@ -98,7 +98,9 @@ class TargetReport:
     @property
     def verdict(self) -> str:
         """``CONFORMS``, ``CONFORMS (2 expected failures: a, b)`` or ``DOES NOT CONFORM (1 of 3 properties fail)``:
-        the one line the text, markdown, HTML and JUnit reports all head a target with."""
+        the one line the text, markdown, HTML and JUnit reports all head a target with. Failures whose relation
+        never ran (a root's ``not_judged``: the table's "not run (root N)") are counted apart: ``1 of 27
+        properties fail, 15 more not run``."""
         run = [p for p in self.properties if p.status != "not-run"]
         expected = self.expected_failures
         known = (f"{len(expected)} expected failure{'s' if len(expected) != 1 else ''}: "
@@ -107,7 +109,10 @@ class TargetReport:
             return f"CONFORMS ({known})" if known else "CONFORMS"
         if not self.failures and not self.checked:
             return "NOTHING CHECKED (no property ran on any input the target takes)"
-        return (f"DOES NOT CONFORM ({len(self.failures)} of {len(run)} properties fail{self._per_root()}"
+        unjudged = {pid for d in self.diagnoses for pid in d.not_judged}  # "not run (root N)" in the table
+        failed = [p for p in self.failures if p.id not in unjudged]
+        not_run = f", {len(self.failures) - len(failed)} more not run" if len(failed) < len(self.failures) else ""
+        return (f"DOES NOT CONFORM ({len(failed)} of {len(run)} properties fail{not_run}{self._per_root()}"
                 f"{'; ' + known if known else ''})")
 
     def _per_root(self) -> str:

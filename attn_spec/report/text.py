@@ -203,18 +203,25 @@ def picture_text(picture: dict) -> str:
     return f"{picture['title']}:\n" + textwrap.indent(picture_matrix(rows), "  ")
 
 
+def row_verdict(p, target: TargetReport) -> str:
+    """A property's verdict in the summary table. One word per meaning: *explained by* a root whose evidence
+    reproduces this failure too, *blocked by* a failure that leaves it no evidence of its own (the catalog's
+    order put it there), *not run* where its relation never ran (the target raised, or returned no tensor)."""
+    verdict = str(p.status) if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
+    for i, d in enumerate(target.diagnoses, 1):
+        if p.status == "fail" and p.id in d.explains:
+            verdict = (f"fail (root {i})" if d.root == p.id else f"not run (root {i})" if p.id in d.not_judged
+                       else f"fail (root {i}: blocked by {d.root})" if p.id in d.unproven
+                       else f"fail (root {i}: explained by {d.mistake if d.named else d.root})")
+            break
+    return verdict + (" (expected)" if p.expected else "")
+
+
 def _summary_rows(target: TargetReport):
-    roots = {pid: (i, d.root, d) for i, d in enumerate(target.diagnoses, 1) for pid in d.explains}
     for p in target.properties:
         if p.status == "not-run":
             continue  # one line below the table says how many and why
-        verdict = str(p.status) if not p.blocked_by else f"fail (blocked by {p.blocked_by})"
-        if p.status == "fail" and p.id in roots:
-            i, shown, d = roots[p.id]
-            verdict = (f"fail (root {i})" if shown == p.id else f"not run (root {i})" if p.id in d.not_judged
-                       else f"fail (root {i}: blocked by {shown})")
-        verdict += " (expected)" if p.expected else ""
-        yield [p.id, verdict, p.examples, f"{p.seconds:.2f}s"]
+        yield [p.id, row_verdict(p, target), p.examples, f"{p.seconds:.2f}s"]
 
 
 def counterexample_lines(ce, w: Writer, colour: bool = False, *, untrusted: bool = False) -> list[str]:
@@ -300,8 +307,7 @@ def root_section(d, index: int, total: int, results: dict, w: Writer, colour: bo
         lines.append("\n" + failure_section(shown, w, colour))
     others = [results[p] for p in d.explains if p != d.root and p in results]
     if others:
-        lines.append(f"{w.item}{'also failing because of this root' if d.named else 'blocked by it'}"
-                     f" (fix it first):")
+        lines.append(f"{w.item}also failing because of this root (fix it first):")
         lines += [f"{w.sub}{p.id}: {_first_line(p.message)}" for p in others]
     return "\n".join(lines)
 

@@ -220,6 +220,9 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
             found[name] = ("unchecked", "not among the dtypes checked (--dtypes)")
         elif name == "gqa" and target.convention not in conventions(kind="attention", multihead=False):
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")
+        elif name == "batch" and target.convention in conventions(kind="attention", multihead=True):
+            found[name] = ("n/a", f"the {target.convention} convention is checked one sequence at a time: "
+                                  "batch-independence does not apply to it")
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
             found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")
     found["dropout"] = _dropout(target, base, device, masked)

@@ -23,6 +23,7 @@ import resource
 import signal
 import socket
 import sys
+import traceback
 
 import torch
 
@@ -272,7 +273,8 @@ def _load(config: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - whatever the submission raises at import is the finding
         return {"ok": False, "outcome": "import-error", "type": type(exc).__name__,
                 "module": getattr(exc, "name", None) if isinstance(exc, ImportError) else None,
-                "message": str(exc)[:TEXT_LIMIT], "traceback": user_traceback(exc)[-TEXT_LIMIT:]}
+                "message": str(exc)[:TEXT_LIMIT], "traceback": user_traceback(exc)[-TEXT_LIMIT:],
+                **_where_raised(exc, scratch)}
     names = {conv: config["names"][conv] for conv in ("function", "module")}
     fn, cls = getattr(module, names["function"], None), getattr(module, names["module"], None)
     targets = {}
@@ -282,6 +284,15 @@ def _load(config: dict) -> dict:
         targets["module"] = ModuleTarget(SeedAdapter(_checked_class(cls, names["module"])), names["module"])
     return {"ok": True, "found": sorted(targets), "targets": targets,
             "kinds": {conv: type(obj).__name__ for conv, obj in (("function", fn), ("module", cls)) if obj is not None}}
+
+
+def _where_raised(exc: BaseException, scratch: str) -> dict:
+    """{"file", "line"} of the submission's innermost frame in ``exc``'s traceback (the import statement
+    that failed, say), or {} when none of its frames is in the submission's folder."""
+    inside = [f for f in traceback.extract_tb(exc.__traceback__)
+              if os.path.realpath(f.filename).startswith(os.path.join(os.path.realpath(scratch), ""))]
+    return {"file": os.path.relpath(os.path.realpath(inside[-1].filename), os.path.realpath(scratch)),
+            "line": inside[-1].lineno} if inside else {}
 
 
 # ---------------------------------------------------------------- answering calls
