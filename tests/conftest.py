@@ -19,6 +19,25 @@ torch.set_num_threads(1)
 GALLERY: dict[str, dict] = {"kills": {}, "alarms": {}, "diagnosed": {}, "library_alarms": {}}
 
 
+# The fast lane (``pytest -m "not slow"``, README) runs the whole catalog on these gallery entries only: of each gallery
+# module, the bug and the correct variant that checked fastest in a measured run (a whole check of each kind of entry).
+FAST_GALLERY = {"keys_as_values", "flash_diagonal_masked", "alibi_heads_reversed", "softcap_mod_without_factor",
+                "relu_normalised", "float32_softmax_not_cast_back", "merge_lse_is_max", "returns_zeros",
+                "logsumexp_style", "key_padding_only", "softcap_mod", "mask_eq_zero_idiom", "manual_backward",
+                "merge_state_base2", "reference_attention"}
+
+
+def pytest_collection_modifyitems(items):
+    """Marks the gallery's other entries slow (tests marked slow where they are defined are measured over a few
+    seconds each)."""
+    import pytest
+
+    for item in items:
+        entry = getattr(item, "callspec", None) and item.callspec.params.get("entry")
+        if item.nodeid.startswith("tests/test_gallery.py") and entry is not None and entry.name not in FAST_GALLERY:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_logreport(report):
     if report.when != "call":
         return

@@ -143,6 +143,7 @@ def test_unavailable_device_is_a_usage_error(capsys):
     assert "only cpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_reports_command_still_runs(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "reports" / "generate.py"), "--profile", "quick",
                            "--out", str(tmp_path), "--only", "reference", "torch-sdpa", "buggy-scale"], capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -178,6 +179,7 @@ def sample(tmp_path):
     return tmp_path / "ci-gate", env
 
 
+@pytest.mark.slow
 def test_the_sample_project_passes_at_the_profile_it_configures(sample):
     """`attn-spec check`, no arguments, as shipped: the two targets of its [tool.attn-spec], at its own profile
     and seed (issue 27: it must pass as CI runs it, not only at the quick profile)."""
@@ -192,6 +194,7 @@ def test_the_sample_project_passes_at_the_profile_it_configures(sample):
     assert check.stdout.rstrip().endswith("seed 2026 (--seed 2026 reruns these cases)")
 
 
+@pytest.mark.slow
 def test_the_sample_project_gates_under_pytest_from_pyproject_alone(sample):
     """`pytest`, no arguments: the same two targets through the plugin (at the quick profile, by the
     environment: the plugin reads the same [tool.attn-spec] table, so its profile is the one checked above)."""

@@ -335,6 +335,7 @@ def _run_clean(command, cwd):
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command, target", [
     ([sys.executable, "-m", "attn_spec"], "my_attention.py:attention"),
     ([str(Path(sys.executable).with_name("attn-spec"))], "my_attention:attention"),  # a module of the cwd

@@ -60,6 +60,7 @@ def test_an_output_that_is_no_tensor_is_one_root_named_by_its_type(fn, words):
     assert all(words.split(":")[0] in p.cause for p in target.properties if p.status == "fail")
 
 
+@pytest.mark.slow
 def test_keys_transposed_over_the_wrong_axes_is_one_root_named_from_the_shapes():
     target, roots = _roots(keys_transposed_0_1, only=None)
     failed = {p.id for p in target.properties if p.status == "fail"}

@@ -27,6 +27,7 @@ def check(capsys, *argv):
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 @needs_transformers
 @pytest.mark.parametrize("spec, form", [
     ("transformers.integrations.sdpa_attention:sdpa_attention_forward", "attention_mask: bool (registered as 'sdpa'"),
@@ -50,6 +51,7 @@ def test_hugging_face_eager_in_float64_is_named_for_what_it_is(capsys):
     assert code == 1 and "float64 inputs are computed at float32 precision" in out and "[computes-in-float32]" in out
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_a_function_registered_with_attention_interface_conforms(capsys):
     code, out, err = check(capsys, f"{EXAMPLES / 'hf_attention.py'}:my_attention", *QUICK)
@@ -81,6 +83,7 @@ def test_registered_without_a_mask_function_gets_no_mask(tmp_path, capsys):
     assert "skipped mask-semantics: not checked:" in out and "Hugging Face passes no attention_mask" in out and "skipped is-causal" not in out
 
 
+@pytest.mark.slow
 def test_flex_attention_conforms_with_no_flags(capsys):
     code, out, err = check(capsys, "torch.nn.attention.flex_attention:flex_attention", *QUICK)
     assert code == 0, out + err
@@ -90,6 +93,7 @@ def test_flex_attention_conforms_with_no_flags(capsys):
     assert "skipped gradients" in out and "backward on CPU" in out  # a capability it lacks on the CPU
 
 
+@pytest.mark.slow
 def test_a_bshd_kernel_conforms_with_no_flags(capsys):
     code, out, err = check(capsys, f"{EXAMPLES / 'flash_kernel.py'}:attention", *QUICK)
     assert code == 0, out + err
@@ -197,6 +201,7 @@ def _strict(b, h, q_idx, kv_idx):
     return kv_idx < q_idx
 
 
+@pytest.mark.slow
 def test_layout_convention_and_statements_are_settings_like_any_other(tmp_path, monkeypatch, capsys):
     """--layout, --convention, --expect-mask and --expect-score come through attn_spec.settings: from
     [tool.attn-spec] in pyproject.toml and ATTN_SPEC_* variables too, the command line winning."""
@@ -244,6 +249,7 @@ def test_hand_picked_examples_run_where_float64_is_not_checked(seed):
     assert "after the mask" in result.cause
 
 
+@pytest.mark.slow
 def test_an_hf_function_reading_a_module_attribute_the_kit_lacks_is_a_limitation_stated_once(tmp_path, capsys):
     """Not 21 failures of the target: the header names the attribute and how to supply it; supplied, it conforms."""
     source = tmp_path / "reads_theta.py"

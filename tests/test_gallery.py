@@ -89,6 +89,7 @@ def test_trivial_output_passes_nothing_and_fails_at_one_root(entry, record_prope
     assert vacuous and all(p.blocked_by == roots[0].id for p in vacuous)
 
 
+@pytest.mark.slow
 def test_real_library_gallery_conforms_in_one_run(record_property):
     """The real-library-style targets, in one multi-target check, as a user would run them together; those that are
     also correct variants are checked at this profile and seed by test_correct_variant_conforms (left out here: the

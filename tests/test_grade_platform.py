@@ -46,6 +46,7 @@ def graded(tmp_path, monkeypatch):
     return {g.name: g for g in grade_all(discover(str(tmp_path), rubric), rubric, jobs=1)}
 
 
+@pytest.mark.slow
 def test_a_platform_defect_costs_a_correct_submission_nothing(graded):
     hit, clean = graded["on_a_broken_platform"], graded["correct"]
     assert hit.outcome == clean.outcome == "graded"

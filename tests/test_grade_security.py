@@ -97,6 +97,7 @@ def _hits(sub) -> set[str]:
     return {h["name"] for h in sub["forbidden"] if h["how"] == "called while grading"}
 
 
+@pytest.mark.slow
 def test_no_attack_causes_a_grader_error(attacked):
     """3: whatever a submission sends or contains is its own outcome, never the grader's."""
     assert attacked["run"].returncode == 0, attacked["run"].stderr

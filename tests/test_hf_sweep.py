@@ -76,6 +76,7 @@ def _selected():
     return [group for group in groups if set(group[1]) & set(REPRESENTATIVE)]
 
 
+@pytest.mark.slow
 def test_the_sweep_finds_the_functions():
     found, failed = eager_functions()
     models = sum(len(group[1]) for group in found.values())
@@ -84,6 +85,7 @@ def test_the_sweep_finds_the_functions():
     assert set(REPRESENTATIVE) <= named and set(KNOWN) <= named  # the representatives still exist
 
 
+@pytest.mark.slow
 def test_every_distinct_eager_function_conforms_or_fails_for_its_known_reason():
     wrong = []
     for fn, models in _selected():

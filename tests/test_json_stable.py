@@ -14,6 +14,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "data" / "json_stable.json"
 # (target, convention, the properties checked: a few, to keep it fast; diagnose: off, the properties' own causes)
@@ -83,6 +85,7 @@ def _differences(got, want, where="") -> list[str]:
     return [f"{where}: {got!r} != snapshot {want!r}"]
 
 
+@pytest.mark.slow
 def test_the_json_report_matches_the_snapshot():
     want = json.loads(SNAPSHOT.read_text(encoding="utf-8"))
     got = reports()

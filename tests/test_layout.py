@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,6 +88,7 @@ def test_the_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow
 def test_importing_the_catalog_imports_neither_pytest_nor_sympy():
     code = ("import sys, attn_spec.properties as p; assert len(p.REGISTRY) > 20; "
             "print(sorted(m for m in ('pytest', 'sympy', '_pytest') if m in sys.modules))")
@@ -118,6 +121,7 @@ def _formats_a_matrix(source: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_nothing_outside_report_formats_a_matrix():
     """Matrix formatting lives with the renderers: the runner, the properties, the grader, the plugin and the CLI
     hand over data (a Counterexample) and ask report/ to write it."""
@@ -184,6 +188,7 @@ def test_checking_runs_properties_and_the_diagnosis_comes_after_it():
                                          "attn_spec.run", "attn_spec.grading", "attn_spec.commands")) == []
 
 
+@pytest.mark.slow
 def test_the_plugin_runs_through_the_run_object_and_imports_nothing_private():
     """The pytest plugin, like attn_spec.check, check_property and reproduce, runs and diagnoses through
     attn_spec.run.Run: it imports no private name of the kit, nothing of the diagnosis, and of the runner only

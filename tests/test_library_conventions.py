@@ -15,6 +15,7 @@ QUICK = ["--profile", "quick", "--seed", "3"]
 MASKS = ["causal-mask", "mask-semantics", "head-concat-equivalence", "matches-reference"]
 
 
+@pytest.mark.slow
 def test_sdpa_conforms_with_no_flags(capsys):
     code = main(["check", "torch.nn.functional:scaled_dot_product_attention", *QUICK])
     out = capsys.readouterr().out

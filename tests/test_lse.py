@@ -3,6 +3,8 @@ judged in, and the kernels that keep another base, another empty-row value, or n
 import math
 from pathlib import Path
 
+import pytest
+
 import torch
 
 import attn_spec
@@ -65,6 +67,7 @@ def test_an_lse_of_nan_for_a_row_with_no_key_fails():
     assert "a row with no key to attend" in result.message and "-inf" in result.message
 
 
+@pytest.mark.slow
 def test_flexattentions_returned_lse_conforms():
     """FlexAttention (eager) with a document mask returns its LSE [H, T_q] in natural log: it holds."""
     report = attn_spec.check(load_target(f"{KERNELS}:flex_varlen"), profile="quick", seed=0, dtypes=["float32"],

@@ -44,6 +44,7 @@ def together():
     return {t.target.rsplit(":", 1)[-1]: t for t in report.targets}
 
 
+@pytest.mark.slow
 def test_a_correct_target_gets_the_same_report_alone_and_after_every_misbehaving_one(together):
     alone = attn_spec.check(seed_function, **RUN).targets[0]
     after = together["seed_function"]
@@ -206,6 +207,7 @@ def chatty(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["json", "junit", "markdown"])
 def test_stdout_formats_stay_parseable_however_chatty_the_target(chatty, fmt):
     done = subprocess.run([sys.executable, "-m", "attn_spec", "check", "chatty.py:attention", "chatty.py:returns_nan",

@@ -87,6 +87,7 @@ def test_the_paged_reference_kernel_conforms_with_no_flags(capsys):
     assert all(f"{pid}  " in out for pid in PAGED) and "paged caches: yes" in out
 
 
+@pytest.mark.slow
 def test_flex_paged_attention_in_eager_mode_conforms_and_its_zero_weighted_reads_are_reported():
     """FlexAttention's PagedAttention on the CPU, in eager mode, through examples/flex_paged_decode.py: its eager path
     materialises the scores over the whole pool and multiplies every slot's value by its weight 0, so NaN in a free

@@ -108,6 +108,7 @@ def test_a_module_through_its_projections_conforms_with_a_platform_note(broken_b
     assert any("strided inputs" in n["what"] for n in report["platform"])
 
 
+@pytest.mark.slow
 def test_a_property_that_loses_every_case_is_not_checked(monkeypatch, capsys):
     monkeypatch.setattr(torch.Tensor, "__matmul__", _broken(torch.Tensor.__matmul__, everywhere=True))
     code, report = _report(capsys, [SEED, "--only", "matches-reference", "--dtypes", "bfloat16", *BF16[3:]])

@@ -52,6 +52,7 @@ def header_seed(result) -> int:
     return int(re.search(r"--attn-seed=(\d+)", result.stdout.str()).group(1))
 
 
+@pytest.mark.slow
 def test_correct_target_passes_with_one_item_per_property(attn_files):
     result = attn_files.runpytest_inprocess("--attn-target", "attn_ok.py:attention", "--attn-profile", "quick",
                                              "--attn-seed", "7", "-v", "-rs")
@@ -142,6 +143,7 @@ def test_declared_additive_masks_reach_the_target(attn_files):
                                  "*--attn-masks=bool,additive*"])
 
 
+@pytest.mark.slow
 def test_inert_without_attn_target(pytester):
     """Loaded (it is in the plugins line) but silent: no items, no header, nothing printed."""
     pytester.makepyfile(test_plain="import sys\n\ndef test_plain():\n"
@@ -152,6 +154,7 @@ def test_inert_without_attn_target(pytester):
     assert len(mentions) == 1 and mentions[0].startswith("plugins: ") and "attn-spec" in mentions[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
 def test_under_xdist_every_worker_runs_the_cases_the_controller_prints(attn_files):
     """Two workers share the items; each failure's rerun line carries the seed of the controller's header."""
@@ -193,6 +196,7 @@ def test_check_property_catches_the_bug():
 """
 
 
+@pytest.mark.slow
 def test_properties_in_a_users_own_tests(attn_files):
     attn_files.makepyfile(test_user=USER_TESTS)
     result = attn_files.runpytest_inprocess()
@@ -202,6 +206,7 @@ def test_properties_in_a_users_own_tests(attn_files):
                                  "FAILED test_user.py::test_check_property_catches_the_bug*"])
 
 
+@pytest.mark.slow
 def test_the_tox_thorough_env_runs_the_catalog_in_parallel():
     """tox.ini's [testenv:thorough] command as written, cut down to one property at the quick profile."""
     import configparser

@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import attn_spec.properties  # noqa: F401 - fills the registry
 from attn_spec.checking.catalog import REGISTRY
 
@@ -90,6 +92,7 @@ def _layout_rows():
     return {m.group(1).rstrip("/"): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \| (.*) \|$", table, flags=re.M)}
 
 
+@pytest.mark.slow
 def test_layout_table_lists_every_folder_of_the_tree():
     rows = _layout_rows()
     assert all((ROOT / path).is_dir() for path in rows), f"the layout table lists missing folders: {rows}"
@@ -149,6 +152,7 @@ def test_conventions_table_lists_every_convention_with_the_command_that_checks_i
         assert not layout or target.layout == layout, command
 
 
+@pytest.mark.slow
 def test_the_marker_example_runs_in_a_project_with_the_pythonpath_line_readme_names(tmp_path):
     """README's marker example, in a project with ``mypkg/`` beside ``tests/``: pytest finds ``mypkg`` only with the
     ``pythonpath = ["."]`` line README says to add (a newcomer's run failed on the import without it)."""

@@ -2,6 +2,8 @@
 reasons, the finite-difference check's own catch, and the closed-form reference gradients."""
 import math
 
+import pytest
+
 import torch
 
 import attn_spec
@@ -41,6 +43,7 @@ def test_library_conventions_without_autograd_keep_the_skip():
     assert result.status == "skip" and result.message.startswith("not checked: no autograd")
 
 
+@pytest.mark.slow
 def test_finite_differences_catch_a_backward_that_is_not_the_forward_derivative():
     """The backward returns the exact attention gradients, so only finite differences can see that the
     forward has an extra term the backward ignores."""

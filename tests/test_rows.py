@@ -81,6 +81,7 @@ def _named_row(message):
     return int(found.group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", RUNGS)
 @pytest.mark.parametrize("name", sorted(ROW_BUGS))
 def test_kernels_wrong_in_some_rows_are_caught_at_every_rung(name, shape):
@@ -97,6 +98,7 @@ def test_kernels_wrong_in_some_rows_are_caught_at_every_rung(name, shape):
         assert "not one of the" in result.message, result.message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", RUNGS)
 def test_the_same_kernel_without_its_mistake_conforms_and_the_header_says_how_rows_were_judged(shape):
     report = attn_spec.check(sdpa_rows, shapes=[shape], dtypes=["float32"], devices=["cpu"],
@@ -129,6 +131,7 @@ def test_the_gradients_of_the_chosen_rows_are_those_of_the_whole_case():
     assert not sdpa[0][..., off, :].any()  # a row without G has no dQ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", RUNGS)
 @pytest.mark.parametrize("name", sorted(GRAD_ROW_BUGS))
 def test_backwards_wrong_in_some_rows_are_caught_at_every_rung(name, shape):
@@ -142,6 +145,7 @@ def test_backwards_wrong_in_some_rows_are_caught_at_every_rung(name, shape):
         assert _named_row(result.message) in wrong(n_q) and "(chosen: " in result.message, result.message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", RUNGS)
 def test_the_same_backward_without_its_mistake_conforms(shape):
     report = attn_spec.check(backward_correct, shapes=[shape], dtypes=["float32"], devices=["cpu"],

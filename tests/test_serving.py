@@ -132,6 +132,7 @@ def test_cpu_merge_kernels_conform_with_no_flags(kernel, capsys):
     assert code == 0 and "(merge convention): CONFORMS" in out, out
 
 
+@pytest.mark.slow
 def test_the_serving_benchmark_runs_at_tiny_sizes_on_the_cpu():
     import subprocess
     import sys

@@ -27,6 +27,7 @@ decode_kernel = load_target(f"{KERNELS}:decode_kernel")
 
 
 
+@pytest.mark.slow
 def test_decode_cases_draw_cache_lengths_pages_splits_and_grouped_heads():
     drawn = draw_many(cases("default", batch=True, masks=("none",), same_width=True, cache=True, pages=True,
                             splits=True, grouped=1))
@@ -50,6 +51,7 @@ def test_a_kernels_smallest_page_size_is_what_pages_are_drawn_in_multiples_of():
     assert {c.page_size for c in drawn} == {256, 512}
 
 
+@pytest.mark.slow
 def test_grouped_heads_only_where_asked():
     assert all(not c.kv_heads for c in draw_many(cases("default", batch=True, segments=True), n=100))
     varlen = draw_many(cases("default", batch=True, segments=True, grouped=0), n=200)
@@ -78,6 +80,7 @@ def test_a_kernel_wrong_only_at_page_size_3_is_caught_by_the_hand_picked_example
     assert "in pages of 3" in result.message
 
 
+@pytest.mark.slow
 def test_a_kernel_wrong_at_even_page_sizes_is_drawn_and_shrunk_to_page_2():
     """No hand-picked example has an even page (1, 3, 9): Hypothesis must draw one, and shrinks it to 2."""
     result = _counterexample(_wrong_at(lambda page: page % 2), "paged-equals-contiguous")
@@ -85,6 +88,7 @@ def test_a_kernel_wrong_at_even_page_sizes_is_drawn_and_shrunk_to_page_2():
     assert result.case.spare_pages == 0  # shrunk: no spare page needed to show it
 
 
+@pytest.mark.slow
 def test_a_kernel_wrong_at_four_splits_or_more_is_drawn_and_shrunk_to_4():
     """The hand-picked splits are 1, 2, 3 and 0; the default profile draws num_splits up to 4."""
     def kernel(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False, num_splits=0):
@@ -107,6 +111,7 @@ def test_a_kernel_that_reads_the_first_elements_length_for_all_shows_two_lengths
     assert f"cache_lengths={lengths!r}" in result.counterexample.reproduce
 
 
+@pytest.mark.slow
 def test_a_drawn_counterexample_reproduces_from_its_snippet():
     result = _counterexample(_wrong_at(lambda page: page % 2), "paged-equals-contiguous")
     namespace = {}
@@ -114,6 +119,7 @@ def test_a_drawn_counterexample_reproduces_from_its_snippet():
     assert namespace["case"] == result.case
 
 
+@pytest.mark.slow
 def test_a_varlen_counterexample_shows_its_zero_length_segment():
     from gallery.serving import varlen_nan_on_empty
 
@@ -177,6 +183,7 @@ def test_the_header_says_whether_a_serving_kernel_takes_grouped_heads():
     assert nested.behaviour()["grouped-heads"].startswith("no")
 
 
+@pytest.mark.slow
 def test_a_varlen_kernel_that_tiles_grouped_heads_is_caught_with_grouped_heads_drawn():
     from gallery.serving import varlen_kv_heads_tiled
 
@@ -186,6 +193,7 @@ def test_a_varlen_kernel_that_tiles_grouped_heads_is_caught_with_grouped_heads_d
     assert [d.mistake for d in report.targets[0].diagnoses] == ["varlen-kv-heads-tiled"]
 
 
+@pytest.mark.slow
 def test_a_varlen_kernel_that_ignores_softcap_is_named():
     from gallery.serving import varlen_softcap_ignored
 

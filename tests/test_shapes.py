@@ -119,6 +119,7 @@ def test_a_check_at_fixed_shapes_runs_the_properties_that_apply_and_skips_the_re
     assert "shapes 1,4,2,48,300,16" in str(report)
 
 
+@pytest.mark.slow
 def test_a_bug_only_long_sequences_expose_is_caught_at_a_long_shape_with_its_cause():
     """The blocked kernel drops a last partial block of 1024 keys: every case the default profile draws
     (up to 640 keys, in long-sequences) fits in one block."""
@@ -199,6 +200,7 @@ print(json.dumps({"code": code, "added": peak() - base, "chunk": chunked.CHUNK_B
 """
 
 
+@pytest.mark.slow
 def test_a_4k_key_check_adds_memory_linear_in_n_times_d():
     """The kit's added peak memory at 4096 keys stays within O(chunk x n_kv + n x d).
 

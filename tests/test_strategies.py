@@ -70,6 +70,7 @@ COVERAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", COVERAGE)
 def test_default_profile_exercises(name, default_cases):
     assert any(COVERAGE[name](c) for c in default_cases), f"no '{name}' case in {SAMPLES} draws of cases('default')"
@@ -113,6 +114,7 @@ MHA_COVERAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MHA_COVERAGE)
 def test_default_mha_profile_exercises(name, default_mha_cases):
     assert any(MHA_COVERAGE[name](c) for c in default_mha_cases), f"no '{name}' case in mha_cases('default')"

@@ -42,6 +42,7 @@ def test_every_property_has_its_lesson_beside_its_check():
         assert derive.__module__ == REGISTRY[pid].fn.__module__, pid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pid", IDS)
 def test_explain_every_property(pid, capsys):
     sections = lessons.lesson_sections(pid)
@@ -185,6 +186,7 @@ def _tutorial_steps(source: str) -> list[tuple[str, set[str]]]:
     return steps
 
 
+@pytest.mark.slow
 def test_tutorial_runs_and_shows_what_it_announces():
     path = REPO / "examples" / "tutorial.py"
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240, cwd=REPO)

@@ -16,6 +16,7 @@ def test_the_unseen_gallery_is_large_enough_and_not_catalogued():
     assert not {e.name.replace("_", "-") for e in UNSEEN} & set(MISTAKES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", UNSEEN, ids=str)
 def test_an_uncatalogued_bug_gets_one_root_named_by_a_fit_or_unexplained(entry):
     from attn_spec.diagnosis import MISTAKES

@@ -65,6 +65,7 @@ def test_varlen_attn_names_are_called_by_their_own_names():
     assert seen[-1] == {"scale": 0.5, "window_size": (-1, -1), "lse": True}
 
 
+@pytest.mark.slow
 def test_a_kernel_is_called_only_with_the_options_its_signature_has():
     def plain(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -92,6 +93,7 @@ def test_varlen_reference_is_each_sequence_alone():
     assert torch.isneginf(lse[:, 3]).all()  # (3, 1) causal bottom-right: its first two queries see no key
 
 
+@pytest.mark.slow
 def test_the_strategies_draw_packed_segments_with_zero_lengths():
     drawn = []
 
@@ -114,6 +116,7 @@ def test_a_case_with_segments_survives_json():
     assert back == case and hash(back) == hash(case) and "packed segments (n_q, n_kv) (3, 0) (0, 1)" in case.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["varlen_kernel", "nested_sdpa_varlen"])
 def test_cpu_kernels_conform_with_no_flags(kernel, capsys):
     code = main(["check", f"{KERNELS}:{kernel}", "--profile", "quick", "--seed", "3"])
@@ -121,6 +124,7 @@ def test_cpu_kernels_conform_with_no_flags(kernel, capsys):
     assert code == 0 and "(varlen convention): CONFORMS" in out, out
 
 
+@pytest.mark.slow
 def test_a_fixed_shape_is_a_packed_batch_for_a_varlen_kernel(capsys):
     """--shapes B,H,HKV,NQ,NKV,D: B sequences of up to NQ queries over up to NKV keys, the first the longest."""
     from attn_spec.checking.shapes import Rung, Shape, packed_case
@@ -135,6 +139,7 @@ def test_a_fixed_shape_is_a_packed_batch_for_a_varlen_kernel(capsys):
     assert "[varlen-segments-ignored]" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_flexattention_with_a_document_mask_is_a_varlen_kernel():
     """FlexAttention in eager mode, one call over the packed batch with a document mask_mod: causal bottom-right per
     sequence, its LSE natural-log, [H, T_q], -inf for a row with no key (one property here: eager Flex is slow)."""
@@ -152,6 +157,7 @@ def test_list_conventions_shows_varlen_and_it_can_be_forced(capsys):
     assert target.convention == "varlen"
 
 
+@pytest.mark.slow
 def test_a_varlen_kernel_gets_only_the_varlen_properties():
     report = attn_spec.check(load_target(f"{KERNELS}:varlen_kernel"), profile="quick", seed=0,
                              only=["segment-isolation", "rows-sum-to-one", "decode-equals-full-causal"])
@@ -180,6 +186,7 @@ def flash_cpu_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse, None) if return_attn_probs else out
 
 
+@pytest.mark.slow
 def test_a_kernel_that_dies_on_zero_keys_fails_the_check_and_does_not_end_it():
     target = make_target(flash_cpu_varlen)
     assert target.behaviour()["lse-empty-row"] == "crashes (SIGFPE)"

@@ -39,6 +39,7 @@ def recording(seen):
 # ---------------------------------------------------------------- masks (bool unless declared)
 
 
+@pytest.mark.slow
 def test_function_targets_get_bool_masks_only():
     seen = set()
     assert attn_spec.check(recording(seen), name="recording", **QUICK).conforms
@@ -52,6 +53,7 @@ def test_declared_additive_masks_are_checked():
     assert torch.float64 in seen or torch.float32 in seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", [tutorial_mask_eq_zero, einsum_bool_mask])
 def test_code_that_reads_masks_as_bool_is_right_unless_additive_masks_are_declared(fn):
     only, dtypes = ["mask-semantics", "matches-reference", "causal-mask"], ["float64", "float32"]
@@ -167,6 +169,7 @@ def test_a_not_implemented_error_inside_torch_is_a_crash_with_its_traceback():
 # ---------------------------------------------------------------- causal-only modules are checked
 
 
+@pytest.mark.slow
 def test_a_causal_only_module_is_probed_and_checked_on_causal_self_attention():
     values, lacks = probe_capabilities(make_target(NanoGPTAdapter, convention="adapter"))
     assert values["mask"] == "causal-only" and values["unmasked"] == "no" and values["cross"] == "no"

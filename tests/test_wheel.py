@@ -17,6 +17,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # What a clean checkout does not have: build outputs, virtual environments, caches.
 UNTRACKED = (".git", ".venv", "venv", ".tox", ".hypothesis", ".pytest_cache", "__pycache__", "build", "dist",
@@ -82,6 +84,7 @@ def _bare_python(where: Path, deps: Path | None = None) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_a_wheel_built_from_a_clean_tree_installs_and_checks_readmes_first_target(tmp_path):
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(*UNTRACKED))
