@@ -26,7 +26,7 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
                 raising = lacking it, except where GQA is part of the contract (flex,
                 hf under --require gqa or a GQA config: Target.raising_declines)
-``length``      the largest sequence length it takes: ``yes`` at LENGTH_CEILING positions (self-attention
+``length``      the largest sequence length it takes: ``yes`` at lengths.LENGTH_CEILING positions (self-attention
                 [n, 2]); else the largest n, by bisection. A limit the target declares (its own
                 refusal, a position buffer or attribute of n: nanoGPT's ``bias`` of ``block_size``;
                 or ``--require length=N`` with N <= n) is ``max length N``: the properties draw up
@@ -54,7 +54,7 @@ from attn_spec.dtypes import DTYPES
 from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.reference import causal_mask
 from attn_spec.targets.base import conventions
-from attn_spec.targets.lengths import LENGTH_CEILING, probe_length  # noqa: F401 - LENGTH_CEILING: part of this module's API
+from attn_spec.targets.lengths import probe_length
 
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "dropout", "autograd", "gqa",
                 "length", "float64", "float16", "bfloat16")
@@ -76,7 +76,7 @@ class Supports:
     dv_ne_dk: bool = True  # d_v != d_k
     dropout: bool = False  # a dropout_p argument that drops weights (the dropout properties; else they are skips)
     dtypes: tuple[str, ...] = tuple(DTYPES)
-    max_length: int | None = None  # the longest sequence it declares (None: no limit up to LENGTH_CEILING)
+    max_length: int | None = None  # the longest sequence it declares (None: no limit up to lengths.LENGTH_CEILING)
     crash_length: int | None = None  # an undeclared crash past this length: long-sequences draws past it, no other
     length_crash: str = ""  # where that crash starts, in words ("raises IndexError from 17 positions on; ...")
     gqa: bool = False  # a serving kernel: it takes grouped K/V heads (its properties draw them; Target.draws)
@@ -246,10 +246,9 @@ def envelope(supports: Supports) -> list[dict]:
         names = list(supports.dtypes)
         found.append(("dtypes", f"{', '.join(names[:-1])} and {names[-1]} only" if len(names) > 1
                       else f"{names[0]} only"))
-    reasons = {name: why.get(name, "") for name in why}
-    reasons["dtypes"] = "; ".join(f"{name}: {why[name]}" for name in DTYPES if name in why)
-    return [{"capability": name, "phrase": phrase,
-             "why": reasons.get(name) or (why.get("unmasked", "") if name == "mask" else "")} for name, phrase in found]
+    reasons = {**why, "mask": why.get("mask") or why.get("unmasked", ""),
+               "dtypes": "; ".join(f"{name}: {why[name]}" for name in DTYPES if name in why)}
+    return [{"capability": name, "phrase": phrase, "why": reasons.get(name, "")} for name, phrase in found]
 
 
 def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:

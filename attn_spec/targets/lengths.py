@@ -37,7 +37,7 @@ POSITION_ATTRIBUTES = ("block_size", "max_position_embeddings", "n_positions", "
 class Length:
     """What the length probe found: ``value`` ``yes``, ``N`` (a declared limit) or ``raises`` (an undeclared
     crash); ``why``; ``takes`` the largest length measured to run (None: no limit up to LENGTH_CEILING);
-    ``crash`` the exception's type name for an undeclared crash."""
+    ``crash``, for an undeclared crash, where it starts in one sentence."""
 
     value: str
     why: str = ""
