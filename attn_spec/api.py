@@ -23,7 +23,7 @@ from attn_spec.report.ci import Expectations
 from attn_spec.report.text import REPRODUCE_PLATFORM, diagnosis_lines, platform_head
 from attn_spec.run import Run
 from attn_spec.targets.behaviours import parse_requirements
-from attn_spec.targets.capabilities import parse_capabilities
+from attn_spec.targets.capabilities import parse_capabilities, required
 from attn_spec.targets.conventions import Target, load, make_target, parse_masks
 from attn_spec.targets.loading import load_target
 from attn_spec.version import __version__
@@ -203,7 +203,7 @@ def reproduce(property_id: str, target, case, *, convention=None, masks=None, re
     adapter = obj if isinstance(obj, Target) else make_target(obj, target if isinstance(target, str) else None,
                                                                convention, masks, **options)
     if require:
-        adapter.required = frozenset(parse_capabilities(require))
+        adapter.required = required(require)
     try:
         Run().case(prop, adapter, case)
     except Failure as failure:

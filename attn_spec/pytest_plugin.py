@@ -142,6 +142,28 @@ class AttnSpecSession:
         lines += [f"attn-spec target: {spec} ({target.convention} convention)" for spec, target in c.targets.items()]
         return lines
 
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """Each target's envelope, the limits it declares (attn_spec.targets.capabilities.envelope): the items
+        checked only within them, and pytest's own summary line cannot say so (``attn-spec check`` puts them in
+        its verdict: ``CONFORMS up to 1024 positions``)."""
+        if not self.active or self.checker is None:
+            return
+        from attn_spec.targets.capabilities import envelope
+
+        for spec, target in self.checker.targets.items():
+            if not getattr(target, "is_attention", True):
+                continue
+            try:
+                if target.supported is None:  # an xdist controller ran no item: probe here (tiny calls)
+                    self.checker.run.probe(target)
+                limits = envelope(target.supported)
+            except Exception as exc:  # noqa: BLE001 - the summary never fails the run; the items said what failed
+                terminalreporter.write_line(f"attn-spec[{spec}]: its limits could not be probed: {exc}")
+                continue
+            if limits:
+                terminalreporter.write_line(f"attn-spec[{spec}]: checked {', '.join(e['phrase'] for e in limits)} "
+                                            f"(the limits it declares: nothing outside them was drawn)")
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_pycollect_makeitem(self, collector, name, obj):
         """A marked test function becomes its property items while it is collected, so that pytest's
@@ -185,9 +207,9 @@ class Checker:
                 dict(zip(settings["targets"], api.load_targets(settings)))
         except (KitUsageError, TargetLoadError) as exc:
             raise pytest.UsageError(f"attn-spec: {exc}") from None
-        from attn_spec.targets.capabilities import parse_capabilities
+        from attn_spec.targets.capabilities import required
         for target in self.targets.values():  # as check_target does: a required capability's probe fails
-            target.required = frozenset(parse_capabilities(settings["require"]))
+            target.required = required(settings["require"])
         self.expected = self.plan.expectations.ids if self.plan.expectations else {}
 
     def items(self, parent, key: str, name=lambda pid: pid) -> list:

@@ -19,7 +19,7 @@ from attn_spec.errors import Failure
 from attn_spec.report import PropertyResult, TargetReport
 from attn_spec.targets.base import Target
 from attn_spec.targets.behaviours import probe_behaviours
-from attn_spec.targets.capabilities import probe_capabilities
+from attn_spec.targets.capabilities import envelope, probe_capabilities
 
 
 @dataclass
@@ -75,6 +75,7 @@ class Run:
         dtypes, device = self.dtypes_for(target), (self.devices or available_devices())[0]
         report.behaviours = probe_behaviours(target, "float32" if "float32" in dtypes else dtypes[0], device)
         report.capabilities, report.lacks = probe_capabilities(target, dtypes, device)
+        report.envelope = envelope(target.supported)
         return report
 
     @staticmethod

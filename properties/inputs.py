@@ -13,10 +13,23 @@ from attn_spec.checking.tolerance import max_error
 from attn_spec.errors import Failure, Unsupported
 
 
+SCORE_RANGE = 65504.0  # torch.finfo(torch.float16).max: the scores attention really reaches. A model trained or
+# served in half precision holds every score within it, so a correct mask must be exact there; a finite fill is
+# judged inside it only (masked_fill(-1e6) and an additive -1e9 hold, an additive -1e4 does not), and how far past
+# it a fill stays exact is a behaviour (finite-fill, attn_spec.targets.behaviours), reported, never judged
+
+
 def push_limit(dtype: torch.dtype) -> float:
     """The largest raw score |q . k| the kit pushes inputs to: far beyond any softmax's
     comfort, yet representable, with headroom for the module adapter's input gain."""
     return min(1e6, torch.finfo(dtype).max / 64)
+
+
+def push_keys(q, k, masked, limit):
+    """K moved at ``masked`` keys so that q . k there is about +limit (K [..., Tk, Dk], one query per batch)."""
+    size = (limit / q.double().abs().sum(dim=-1, keepdim=True).clamp_min(1.0)).to(k.dtype)  # [..., 1, 1]
+    direction = torch.where(q >= 0, 1.0, -1.0).to(k.dtype)  # [..., 1, Dk] sign(q), sign(0) = +1
+    return torch.where(masked, k + size * direction, k)  # [..., Tk, Dk]
 
 
 def near(got, candidate, allowed) -> bool:
@@ -25,13 +38,13 @@ def near(got, candidate, allowed) -> bool:
 
 
 def sink_levels(dtype: torch.dtype, multihead: bool = False) -> tuple[float, float]:
-    """The raw scores q . k that :func:`sunk_inputs` gives every pair, L and a lower L': L = 1e8 and L' = 1e6
-    lie far below the -1e4 fill of older Hugging Face models, and above the -1e9 of tutorials, which no real
-    score reaches (a -1e9 fill is right in float32 and float64; float16 cannot hold it, which mask-semantics
-    catches otherwise). In float16, L is what the dtype holds (32752: below -1e4 up to d_k = 10) and L' its
-    square root. With headroom for a module adapter's input gain."""
-    top = min(1e8, torch.finfo(dtype).max / (64 if multihead else 2))
-    return top, (1e6 if top == 1e8 else math.sqrt(top))
+    """The raw scores q . k that :func:`sunk_inputs` gives every pair, L and a lower L': L is the edge of the
+    scores attention reaches (SCORE_RANGE, 65504; 32752 in float16, what the dtype holds), below the -1e4 fill
+    of older Hugging Face models up to d_k = 42 (10 in float16), and above the -1e6 of d2l and the -1e9 of
+    tutorials, which no real score reaches; L' is its square root. With headroom for a module adapter's input
+    gain."""
+    top = min(SCORE_RANGE, torch.finfo(dtype).max / (64 if multihead else 2))
+    return top, math.sqrt(top)
 
 
 def sunk_inputs(q, k, level: float):

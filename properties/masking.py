@@ -25,7 +25,7 @@ from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.targets.behaviours import behaviour
 from attn_spec.targets.conventions import broadcast_shapes
 from attn_spec.properties.informative import require_responsive
-from attn_spec.properties.inputs import near, push_limit, sink_levels, sunk_inputs
+from attn_spec.properties.inputs import SCORE_RANGE, near, push_keys, push_limit, sink_levels, sunk_inputs
 
 F64 = torch.float64
 
@@ -127,13 +127,6 @@ def _diagnose_causal(got, q, k, v, mask, allowed) -> str:
     return "the mask does not reach every query and key (applied to the wrong axis or a fixed-size block?)"
 
 
-def _push_keys(q, k, masked, limit):
-    """K moved at ``masked`` keys so that q . k there is about +limit (K [..., Tk, Dk], one query per batch)."""
-    size = (limit / q.double().abs().sum(dim=-1, keepdim=True).clamp_min(1.0)).to(k.dtype)  # [..., 1, 1]
-    direction = torch.where(q >= 0, 1.0, -1.0).to(k.dtype)  # [..., 1, Dk] sign(q), sign(0) = +1
-    return torch.where(masked, k + size * direction, k)  # [..., Tk, Dk]
-
-
 def _one_copy_per_query(q, k, v, mask, rows):
     """One batch element per query in ``rows``, each with all of Q and the mask and its own copy of K
     and V, so that the keys masked for that one query can be changed freely (and the inputs keep
@@ -179,8 +172,8 @@ def _leak_cause(w, allowed, q, k, mask) -> str:
 def mask_semantics(target, case):
     """A[i, j] = 0 exactly where mask[i, j] is False, and out[i] = sum over allowed j of A[i, j] V[j].
 
-    Moving K and V at masked positions to huge finite values (raw scores near +1e6, or
-    finfo.max / 64 in float16) must not change the output. Where additive masks are in the
+    Moving K and V at masked positions to the edge of the scores attention reaches (raw scores near
+    +65504, SCORE_RANGE: what float16 holds) must not change the output. Where additive masks are in the
     target's contract (sdpa, torch-mha, flex, hf with float masks, or declared: ``--masks bool,additive``), a float mask
     of 0 / -inf must give what the bool mask gives, and a finite float mask acts as a bias
     added *after* scaling; other targets get bool masks only. NaN in masked K/V is a convention (``0 * NaN`` propagates), probed and
@@ -189,8 +182,9 @@ def mask_semantics(target, case):
     Why: padding and causal masks are how a model is told what does not exist; a masked key
     that still counts leaks padding or the future, often silently. Catches: inverted polarity,
     a mask applied after the softmax (multiplied, or renormalised so masked scores still enter
-    the max), a finite fill (-1e4) that large scores overwhelm, -1e9 that float16 cannot
-    hold, an additive mask scaled with the scores.
+    the max), a finite fill (-1e4, replaced or added) that scores within SCORE_RANGE overwhelm,
+    -1e9 that float16 cannot hold, an additive mask scaled with the scores. A fill beyond the
+    range (d2l's -1e6) passes: how far it stays exact is the finite-fill behaviour.
     """
     require_responsive(target, case)
     q, k, v, mask = case.tensors()
@@ -215,8 +209,8 @@ def _worst_leak(leak) -> str:
 
 
 def _check_sunk_rows(target, q, k, mask):
-    """Allowed scores far below the common finite fills (every score of a row equal, at each of sink_levels):
-    masked keys keep exactly 0 weight. Both levels are read before judging, so that a diagnosis sees both."""
+    """Allowed scores at the edge of SCORE_RANGE (every score of a row equal, at each of sink_levels): masked keys
+    keep exactly 0 weight. Both levels are read before judging, so that a diagnosis sees both."""
     levels = sink_levels(q.dtype, target.convention in MULTIHEAD_CONVENTIONS)
     sunk = [sunk_inputs(q, k, level) for level in levels]
     weights = [probes.weights(target, q2, k2, mask).detach().to("cpu", F64) for q2, k2 in sunk]  # [..., Tq, Tk] each
@@ -243,8 +237,8 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
         return t[..., pick[0], pick[1], :].unsqueeze(-2)
     masked = ~(ms if ms.shape[-2] == 1 else own(ms)).transpose(-2, -1)  # [..., R, Tk, 1] keys masked for each
     # element's query (a key-padding mask [..., 1, Tk] is every query's own)
-    limit = push_limit(q.dtype)
-    loud_k, loud_v = _push_keys(own(qs), ks, masked, limit), torch.where(masked, vs + limit, vs)
+    limit = min(push_limit(q.dtype), SCORE_RANGE)
+    loud_k, loud_v = push_keys(own(qs), ks, masked, limit), torch.where(masked, vs + limit, vs)
     base = own(target.attend(qs, ks, vs, ms))  # [..., R, 1, Dv]
     allowed = 2 * budget(qs, ks, vs, ms, reference.attention(qs, ks, vs, ms)[0])
     moved = own(target.attend(qs, loud_k, loud_v, ms))

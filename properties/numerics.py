@@ -48,12 +48,12 @@ def numerical_stability(target, case):
     """With even query rows scaled (or negated) so that their largest allowed score is
     +4 log(finfo.max) (44 in float16, 355 in float32, 2839 in float64) and odd rows left as
     they are, attn matches the float64 reference within budget, with no NaN or inf. Q K^T
-    stays representable. Then inputs whose every score is the same very negative number (-1e6 / sqrt(d_k);
+    stays representable. Then inputs whose every score is the same very negative number (-256 / sqrt(d_k);
     float16: -181 / sqrt(d_k)): each row's output is the mean of its allowed V.
 
-    The second part catches a mask that *replaces* masked scores by a finite fill (-1e4 in older
-    Hugging Face models) in float32: allowed scores below the fill hand the weight to the masked keys
-    (mask-semantics reads those weights in every dtype, down to -1e8).
+    The second part catches exp underflowing to 0/0 on such rows (exp without the max, in float32 and
+    float16); a finite fill that replaces masked scores is mask-semantics' to judge, which reads the
+    weights down to the edge of the scores attention reaches (-65504, inputs.SCORE_RANGE).
 
     softmax(s) = exp(s - max_j s_j) / sum_j exp(s_j - max_j s_j) is exact in any range; exp(s)
     alone overflows past log(finfo.max). Why: trained models do produce such scores (large
@@ -92,8 +92,8 @@ def _check_sunk_rows(target, q, k, v, mask):
     """Rows whose every score is the same very negative number (the lower of sink_levels): each row's output is
     the mean of its allowed values."""
     runs = []
-    # The lower level only: at -1e8 a correct exp(s - logsumexp(s)) in float32 cannot hold log(n_kv) beside s
-    # (mask-semantics reads the masked weights there, which stay exactly 0).
+    # The lower level only: at -65504 a correct exp(s - logsumexp(s)) in float32 holds log(n_kv) beside s to a few
+    # ulps of s only (mask-semantics reads the masked weights there, which stay exactly 0).
     for level in sink_levels(q.dtype, target.convention in MULTIHEAD_CONVENTIONS)[1:]:
         q2, k2 = sunk_inputs(q, k, level)
         runs.append((level, q2, k2, target.attend(q2, k2, v, mask)))  # [..., Tq, Dv]

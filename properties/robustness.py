@@ -282,7 +282,9 @@ LONG_KEYS = 4  # keys per drawn key: the default profile's lengths (up to 130) g
                     example="output"))
 def long_sequences(target, case):
     """attn(Q, K, V) matches the reference with n_kv = 4 * (drawn n_kv) keys and the drawn d_k (up to 256),
-    at most the target's probed max length (a module with a fixed position buffer: ``max length 1024``).
+    at most the target's declared max length (a module with a fixed position buffer: ``max length 1024``).
+    A target that crashed at some length without declaring a limit (attn_spec.targets.lengths) is
+    called at least one position past where it crashed: that crash is this property's failure.
 
     A causal case becomes the last n_q positions of the long sequence (bottom-right causal
     mask), as in KV-cache decoding. Why: toy sizes hide every bug that needs many keys or
@@ -292,9 +294,16 @@ def long_sequences(target, case):
     """
     require_responsive(target, case)
     takes = supports(target)
-    square = not takes.cross  # a self-attention target: n_q = n_kv, the whole long sequence
-    got = target.attend(*_long_inputs(case, square, takes.max_length))  # [Tq, Dv]
-    q, k, v, mask = _long_inputs(case, square, takes.max_length)  # the kit's own copies: the target may write into them
+    square = not takes.cross or takes.crash_length is not None  # n_q = n_kv: the whole long sequence, as the
+    # length probe ran it
+    try:
+        got = target.attend(*_long_inputs(case, square, takes))  # [Tq, Dv]
+    except TargetRaised as exc:
+        if takes.crash_length is not None:  # where it starts, measured by the length probe
+            exc.cause = (f"the target {takes.length_crash}: a hard-coded size? (a deliberate limit is declared: "
+                         f"raise NotImplementedError past it, or a block_size of that size on the module)")
+        raise
+    q, k, v, mask = _long_inputs(case, square, takes)  # the kit's own copies: the target may write into them
     inputs = {"Q": q, "K": k, "V": v, "mask": mask}  # the call's, not the drawn case's (n_kv times LONG_KEYS)
     expected, _ = reference.attention(q, k, v, mask)  # [Tq, Dv]
     allowed = budget(q, k, v, mask, expected)
@@ -305,10 +314,13 @@ def long_sequences(target, case):
                  inputs=inputs)
 
 
-def _long_inputs(case, square=False, max_length=None):
+def _long_inputs(case, square=False, takes=None):
     """Q [Tq, Dk], K [4 Tk, Dk], V [4 Tk, Dv] and the mask of the case, stretched to many keys
-    (``square``: as many queries as keys; ``max_length``: at most the target's probed max length)."""
-    n_kv = min(max(LONG_KEYS * case.n_kv, case.n_q), max_length or math.inf)
+    (``square``: as many queries as keys; ``takes``: at most the target's declared max length, at least one
+    past an undeclared crash)."""
+    n_kv = min(max(LONG_KEYS * case.n_kv, case.n_q), getattr(takes, "max_length", None) or math.inf)
+    if getattr(takes, "crash_length", None) is not None:
+        n_kv = max(n_kv, takes.crash_length + 1)
     case = case.replace(n_q=n_kv) if square else case
     q, k, v, mask = case.replace(n_kv=n_kv, mask="none" if case.mask == "causal" else case.mask).tensors()
     if case.mask == "causal":

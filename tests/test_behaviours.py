@@ -127,7 +127,7 @@ def test_weights_returned():
 def test_module_convention_and_fixed_keys():
     found = _probe(reference.MultiHeadAttention, "module")
     assert found == {"fully-masked": "zeros", "mask-polarity": "true-attends", "masked-nan": "propagates",
-                     "causal-alignment": "n/a", "weights-returned": "no", "gqa-grouping": "n/a"}
+                     "causal-alignment": "n/a", "weights-returned": "no", "gqa-grouping": "n/a", "finite-fill": "exact"}
     assert set(found) == set(VALUES)
 
 

@@ -236,3 +236,26 @@ def test_attn_shapes_checks_fixed_shapes_with_the_properties_that_apply(pytester
     result.stdout.fnmatch_lines(["attn-spec *devices cpu*, shapes 1,2,1,16,40,8 1,1,24,8",
                                  "*::matches-reference PASSED*", "*::mask-semantics SKIPPED*",
                                  "*::gqa-equivalence PASSED*", "*mask-semantics: it reads the weights*"])
+
+
+LIMITED = CORRECT + '''
+
+def limited(Q, K, V, mask=None):
+    if K.shape[-2] > 40:
+        raise NotImplementedError("sequences up to 40 positions")
+    if Q.dtype == torch.float16:
+        raise NotImplementedError("no float16")
+    return attention(Q, K, V, mask)
+'''
+
+
+def test_the_summary_names_the_limits_a_target_declares(pytester):
+    """pytest's own line says only how many passed: the plugin's summary says within what (a gate reads it)."""
+    pytester.makepyfile(attn_limited=LIMITED)
+    result = pytester.runpytest_inprocess("--attn-target", "attn_limited.py:limited", "--attn-target",
+                                          "attn_limited.py:attention", "--attn-profile", "quick",
+                                          "--attn-only", "scale-sqrt-dk", "--attn-seed", "3")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["attn-spec[[]attn_limited.py:limited[]]: checked up to 40 positions, float64, "
+                                 "float32 and bfloat16 only (the limits it declares: nothing outside them was drawn)"])
+    assert "attn-spec[attn_limited.py:attention]: checked" not in result.stdout.str()

@@ -5,7 +5,8 @@ module (nanoGPT's, which applies its own causal mask) declines calls without a m
 other mask, so it gets causal self-attention cases; a self-attention module gets n_q = n_kv. A
 property that needs what the target declines is reported as not checked, with the target's
 reason (:class:`NotCheckable`). Inputs a target *crashes* on are still drawn: those failures are
-findings (see :class:`attn_spec.targets.capabilities.Supports`).
+findings (see :class:`attn_spec.targets.capabilities.Supports`); past a length it crashes at without
+declaring it, only long-sequences draws (its failure is that crash, one root).
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     if declined:
         notes.append(f"{', '.join(declined)}{_why(supports, 'unmasked' if 'none' not in masks else 'mask')}")
     options["masks"] = masks
-    if supports.max_length is not None:  # a fixed position buffer: lengths up to it
-        options["max_length"] = supports.max_length
+    limit = supports.max_length if supports.max_length is not None else supports.crash_length
+    if limit is not None:  # a declared limit, or an undeclared crash that long-sequences alone goes past
+        options["max_length"] = limit
     taken = [d for d in dtypes if d in supports.dtypes]
     if not taken:
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")

@@ -22,7 +22,8 @@ from attn_spec.checking.cases import DTYPES, available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.counterexamples import counterexample
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
-from attn_spec.targets.capabilities import Supports, parse_capabilities, parse_length, probe_capabilities, supports
+from attn_spec.targets.capabilities import (Supports, envelope, parse_capabilities, parse_length, probe_capabilities,
+                                          required, supports)
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
 from attn_spec.errors import Failure, PlatformDefect, Uninformative, Unsupported
@@ -306,7 +307,8 @@ def requirements(report: TargetReport, require) -> list[PropertyResult]:
         result = PropertyResult("capability:length", "pass", statement=f"required: sequences of {need} positions")
         if not (found == "yes" or (found.isdigit() and int(found) >= need)):
             result.status = "fail"
-            result.message = f"required length={need}, found max length {found}: {report.lacks.get('length', '')}"
+            result.message = (f"required length={need}, found {'max length ' if found.isdigit() else 'length '}{found}: "
+                              f"{report.lacks.get('length', '')}")
         results.append(result)
     for name in parse_capabilities(require):
         result = PropertyResult(f"capability:{name}", "pass", statement=f"required capability: {name}")
@@ -357,6 +359,7 @@ def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: i
                 report.behaviours = found
             else:
                 report.capabilities, report.lacks = found
+                report.envelope = envelope(target.supported)
     report.output.update(target.output)
     if output.summary():
         report.output["header probes"] = output.summary(verbose)
@@ -398,7 +401,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     ids), the rest are ``not-run``. Nothing the target does stops the check: its exceptions are
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
-    target.required = frozenset(parse_capabilities(require))  # before the probes: a required capability's probe fails
+    target.required = required(require)  # before the probes: a required capability's probe fails
     report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
     dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
     props = applicable(props, target)

@@ -2,6 +2,9 @@
 
 - :func:`returned_type`: a target that returns a NumPy array, a list, a tuple, a number or None fails every
   property for that one reason; the root is named by the type, before any property's relation is judged.
+- :func:`length_crash`: a target that crashes past some length without declaring a limit (the length probe
+  measured where: attn_spec.targets.lengths) fails the properties that go past it with that crash, one root
+  stated by the measured boundary, not by a mistake model (none models a hard-coded size).
 - :func:`wrong_transpose`: a target that transposes K over the wrong pair of axes (``K.transpose(0, 1)`` on
   batched inputs) is right on 2-D inputs and wrong or crashing on batched ones; the pair is measured by
   replaying the formula with each pair of K's axes on every recorded call, and the crash pattern against
@@ -123,3 +126,23 @@ def _pattern(batched, axes) -> str:
 
 def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+# ------------------------------------------------------------------ a crash past a length, undeclared
+
+
+def length_crash(evidences: dict, target) -> tuple[str, list[str]] | None:
+    """(where the crash starts, the failing properties that raise it) when the length probe found an undeclared
+    crash (``Supports.length_crash``: "raises IndexError from 17 positions on; takes up to 16, ...") and some
+    failure is that exception past that length; else None."""
+    supported = getattr(target, "supported", None)
+    where = getattr(supported, "length_crash", "")
+    if not where:
+        return None
+    def past(call) -> bool:  # a crash on inputs longer than the target takes (a call too large to keep: long)
+        lengths = [t.shape[-2] for name, t in call.inputs.items()
+                   if name in ("q", "k", "x_q", "x_kv") and isinstance(t, torch.Tensor) and t.dim() >= 2]
+        return call.error is not None and (not call.kept or max(lengths, default=0) > supported.crash_length)
+    pids = [pid for pid, ev in evidences.items()
+            if ev.crash and where.startswith(f"raises {ev.crash[0]} from ") and any(past(c) for c in ev.calls)]
+    return (where, pids) if pids else None

@@ -283,6 +283,18 @@ def _measured_roots(evidences, left, order, target=None) -> list[Diagnosis]:
     """Roots that the recorded calls name by themselves (attn_spec.diagnosis.measured). The transpose is read
     on a function's own calls only (a kernel's in another layout are kept transposed back, in the kit's terms)."""
     mine = {p: evidences[p] for p in left}
+    crash = measured.length_crash(mine, target)
+    if crash:
+        where, pids = crash
+        root = Diagnosis(pids[0], "kv-buffer-overflow", f"the target {where}", "size buffers from the input "
+                         "(K.shape[-2]); a deliberate limit is declared: raise NotImplementedError past it, or give "
+                         "the module a block_size (or max_position_embeddings) of that size", sorted(pids, key=order.index),
+                         f"the length probe bisected it; {_plural(len(pids), 'failing property')} "
+                         f"{'raises' if len(pids) == 1 else 'raise'} that exception past "
+                         f"{target.supported.crash_length} positions",
+                         measured=True, params={"slots": target.supported.crash_length})
+        root.traceback = mine[pids[0]].traceback
+        return [root]
     returned = measured.returned_type(mine)
     if returned:
         words, why, pids = returned

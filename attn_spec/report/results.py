@@ -75,6 +75,8 @@ class TargetReport:
     masks: list = field(default_factory=list)  # the mask forms the target was called with: bool, additive
     notes: list = field(default_factory=list)  # how the target is called: a detected layout, the mask HF builds
     picture: dict | None = None  # a FlexAttention mod's mask or bias: {"title", "kind", "matrix"}
+    envelope: list = field(default_factory=list)  # what the target declares it does not take, which narrowed the
+    # check: {"capability", "phrase", "why"} each (attn_spec.targets.capabilities.envelope), named in the verdict
 
     @property
     def checked(self) -> bool:
@@ -98,15 +100,18 @@ class TargetReport:
     @property
     def verdict(self) -> str:
         """``CONFORMS``, ``CONFORMS (2 expected failures: a, b)`` or ``DOES NOT CONFORM (1 of 3 properties fail)``:
-        the one line the text, markdown, HTML and JUnit reports all head a target with. Failures whose relation
-        never ran (a root's ``not_judged``: the table's "not run (root N)") are counted apart: ``1 of 27
-        properties fail, 15 more not run``."""
+        the one line the text, markdown, HTML and JUnit reports all head a target with. A target that declares
+        limits conforms within them, and the line says so: ``CONFORMS up to 1024 positions, causal masks only``
+        (its ``envelope``), so that a gate reading this line alone is not told more than was checked. Failures
+        whose relation never ran (a root's ``not_judged``: the table's "not run (root N)") are counted apart:
+        ``1 of 27 properties fail, 15 more not run``."""
         run = [p for p in self.properties if p.status != "not-run"]
         expected = self.expected_failures
         known = (f"{len(expected)} expected failure{'s' if len(expected) != 1 else ''}: "
                  f"{', '.join(p.id for p in expected)}") if expected else ""
         if self.conforms:
-            return f"CONFORMS ({known})" if known else "CONFORMS"
+            within = "".join(f"{',' if i else ''} {limit['phrase']}" for i, limit in enumerate(self.envelope))
+            return f"CONFORMS{within} ({known})" if known else f"CONFORMS{within}"
         if not self.failures and not self.checked:
             return "NOTHING CHECKED (no property ran on any input the target takes)"
         unjudged = {pid for d in self.diagnoses for pid in d.not_judged}  # "not run (root N)" in the table
@@ -125,7 +130,8 @@ class TargetReport:
 
     def to_dict(self) -> dict:
         return {"target": self.target, "convention": self.convention, "conforms": self.conforms,
-                "verdict": self.verdict, "checked": self.checked, "masks": list(self.masks),
+                "verdict": self.verdict, "envelope": [dict(limit) for limit in self.envelope],
+                "checked": self.checked, "masks": list(self.masks),
                 "calls": self.calls, "behaviours": dict(self.behaviours),
                 "conventions": dict(self.behaviours),  # deprecated alias of "behaviours", kept for one release
                 "capabilities": dict(self.capabilities), "lacks": dict(self.lacks), "notes": list(self.notes),

@@ -14,6 +14,9 @@ key                       values
 ``gqa-grouping``          which KV head query head h reads in grouped-query attention (Hq = g * Hkv):
                           blocked (h // g: ``repeat_interleave``, SDPA's ``enable_gqa``, Llama) or
                           tile (h % Hkv: einops ``repeat(k, 'b h n d -> b (g h) n d')``); n/a without GQA
+``finite-fill``           how far a masked key's weight stays exactly 0 as allowed scores fall: exact
+                          (-inf, finfo.min), ``exact below 1e6`` (a finite fill: d2l's -1e6), or leaks
+                          (even at -10: the mask is wrong, mask-semantics says how)
 ========================  ==================================================================
 
 A probe reports ``n/a`` when the target does not take what it needs (a mask, ``is_causal``),
@@ -21,6 +24,8 @@ A probe reports ``n/a`` when the target does not take what it needs (a mask, ``i
 right shape). Probing never stops a check.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,6 +40,7 @@ VALUES = {  # the values a user may require; a probe may also report "other" or 
     "causal-alignment": ("top-left", "bottom-right", "n/a"),
     "weights-returned": ("yes", "no"),
     "gqa-grouping": ("blocked", "tile"),
+    "finite-fill": ("exact",),  # or "exact below 1eN", reported as measured
 }
 
 MEANINGS = {  # key -> (the question a probe answers, {value: what it means}); ``attn-spec explain behaviours``
@@ -60,6 +66,11 @@ MEANINGS = {  # key -> (the question a probe answers, {value: what it means}); `
         "blocked": "head h // g (repeat_interleave, SDPA's enable_gqa, Llama, Hugging Face's repeat_kv)",
         "tile": "head h % H_kv (einops repeat(k, 'b h n d -> b (g h) n d'))",
         "n/a": "the target has no grouped-query form"}),
+    "finite-fill": ("how far masked keys keep exactly 0 weight as the allowed scores fall (a finite mask fill)", {
+        "exact": "at every score the dtype holds (-inf, or finfo.min)",
+        "exact below 1eN": "a finite fill: masked keys take weight once allowed scores reach -1eN (masked_fill(-1e6): "
+                           "1e6); mask-semantics fails it only below 65504, the scores attention reaches",
+        "leaks": "masked keys get weight even at small scores: mask-semantics says how"}),
 }
 ANSWERS = {"other": "none of the above: the output was unusable or something else",
            "raises": "the probe's call raised", "n/a": "the target does not take what the probe needs"}
@@ -169,8 +180,36 @@ def gqa_grouping(target, dtype, device) -> str:
     return "other"
 
 
+def finite_fill(target, dtype, device) -> str:
+    """Query 0 with one allowed key scoring -s and a masked key scoring 0 (scaled scores, d_k = 2, V = I): the
+    smallest s = 10^e at which the masked key gets weight, found by bisection on e up to what the dtype holds.
+
+    A fill that replaces masked scores by -f, or adds -f to them, hands that key weight once s nears f;
+    -inf and finfo.min never do. Under a causal mask key 1 is query 0's future (a key-padding-only
+    target gets the same key masked for both queries)."""
+    top = int(math.log10(torch.finfo(dtype).max / (64 if target.traits is not None and target.traits.multihead
+                                                    else 2) / math.sqrt(2)))
+    padding = "padding" in supports(target, device=device).masks
+    mask = torch.tensor([[True, False]] if padding else [[True, False], [True, True]], device=device)
+    eye = torch.eye(2, dtype=dtype, device=device)  # V = I: the output rows are the weight rows
+
+    def leaks(e) -> bool:
+        a = math.sqrt(10.0**e * math.sqrt(2))  # q . k_0 = -a^2 = -10^e sqrt(2): the scaled score -10^e
+        q = torch.tensor([[a, 0.0], [a, 0.0]], dtype=dtype, device=device)  # [Tq=2, Dk=2]
+        k = torch.tensor([[-a, 0.0], [0.0, 0.0]], dtype=dtype, device=device)  # [Tk=2, Dk=2]: key 1 scores 0
+        return target.attend(q, k, eye, mask)[0, 1].item() != 0  # query 0's weight on its masked key
+    if not leaks(top):
+        return "exact"
+    if leaks(1):
+        return "leaks"
+    lo, hi = 1, top  # exact at 10^lo, leaks at 10^hi
+    while hi - lo > 1:
+        lo, hi = (lo, (lo + hi) // 2) if leaks((lo + hi) // 2) else ((lo + hi) // 2, hi)
+    return f"exact below 1e{hi}"
+
+
 PROBES = {"fully-masked": fully_masked, "mask-polarity": mask_polarity, "masked-nan": masked_nan,
-          "causal-alignment": causal_alignment, "gqa-grouping": gqa_grouping}
+          "causal-alignment": causal_alignment, "gqa-grouping": gqa_grouping, "finite-fill": finite_fill}
 
 
 def _safely(probe, target, dtype, device) -> str:

@@ -26,10 +26,12 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
                 raising = lacking it, except where GQA is part of the contract (flex,
                 hf under --require gqa or a GQA config: Target.raising_declines)
-``length``      the largest sequence length it takes: ``yes`` at LENGTH_CEILING positions (self-attention
-                [n, 2]); else the largest n, found by bisection on its own refusal or a crash at a
-                shape check (a fixed position buffer: nanoGPT's ``bias`` of ``block_size``), reported
-                as ``max length N``; the properties then draw up to N (``--require length=N``)
+``length``      the largest sequence length it takes: ``yes`` at lengths.LENGTH_CEILING positions (self-attention
+                [n, 2]); else the largest n, by bisection. A limit the target declares (its own
+                refusal, a position buffer or attribute of n: nanoGPT's ``bias`` of ``block_size``;
+                or ``--require length=N`` with N <= n) is ``max length N``: the properties draw up
+                to N and the verdict says so. An undeclared crash is ``raises``: long-sequences
+                fails past it (attn_spec.targets.lengths)
 ``float64``,    the baseline in that dtype; ``unchecked`` when ``--dtypes`` leaves it out
 ``float16``,
 ``bfloat16``
@@ -52,11 +54,10 @@ from attn_spec.dtypes import DTYPES
 from attn_spec.errors import Failure, KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.reference import causal_mask
 from attn_spec.targets.base import conventions
+from attn_spec.targets.lengths import probe_length
 
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "dropout", "autograd", "gqa",
                 "length", "float64", "float16", "bfloat16")
-LENGTH_CEILING = 2048  # every length the profiles draw (long-sequences at thorough: 2048 keys); no more, since a
-# float64 target holds [n, n] scores at it (32 MiB at 2048, within a graded submission's memory)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class Supports:
     """The inputs a target takes, from its capabilities: what the kit draws for it.
 
     Only what the target *declined* is left out; inputs it crashes on are still drawn, so
-    that the properties using them fail and say why.
+    that the properties using them fail and say why (past an undeclared crash at a length,
+    ``crash_length``, only long-sequences draws). What is left out narrows the check: it is the
+    target's envelope, printed in the verdict (:func:`envelope`).
     """
 
     masks: tuple[str, ...] = ("none", "random", "causal")  # the mask kinds of a Case (strategies.MASK_KINDS)
@@ -73,7 +76,9 @@ class Supports:
     dv_ne_dk: bool = True  # d_v != d_k
     dropout: bool = False  # a dropout_p argument that drops weights (the dropout properties; else they are skips)
     dtypes: tuple[str, ...] = tuple(DTYPES)
-    max_length: int | None = None  # the longest sequence it takes (None: no limit up to LENGTH_CEILING)
+    max_length: int | None = None  # the longest sequence it declares (None: no limit up to lengths.LENGTH_CEILING)
+    crash_length: int | None = None  # an undeclared crash past this length: long-sequences draws past it, no other
+    length_crash: str = ""  # where that crash starts, in words ("raises IndexError from 17 positions on; ...")
     gqa: bool = False  # a serving kernel: it takes grouped K/V heads (its properties draw them; Target.draws)
     page_granule: int = 1  # a decode kernel: the smallest page size it takes (pages drawn are multiples); 0: not paged
     why: dict = field(default_factory=dict)  # capability -> the target's reason, for each one left out
@@ -164,40 +169,6 @@ def _dropout(target, dtype, device, masked: bool) -> tuple[str, str]:
     return "yes", ""
 
 
-def _shape_crash(exc: TargetRaised) -> bool:
-    """A crash at a shape check: an index or assertion error, or torch's size mismatch (a fixed buffer)."""
-    return isinstance(exc.exc, (IndexError, AssertionError, ValueError)) or (
-        isinstance(exc.exc, RuntimeError) and any(word in str(exc.exc) for word in ("size", "shape", "dimension")))
-
-
-def _max_length(target, dtype, device, masked: bool) -> tuple[str, str]:
-    """("yes", "") when self-attention over LENGTH_CEILING positions runs; else (str(N), why) with N the largest
-    length it takes, by bisection. Only the target's own refusal or a crash at a shape check is a limit."""
-    def takes(n):
-        q, k, v = (_t(n, 2, dtype=dtype, device=device, seed=s) for s in range(3))  # [T, D=2] each
-        try:
-            target.attend(q, k, v, causal_mask(n, n, device=device) if masked else None)
-            return True, ""
-        except Unsupported as exc:
-            return False, str(exc)
-        except TargetRaised as exc:
-            if _shape_crash(exc):
-                return False, exc.message
-            raise
-    try:
-        ok, why = takes(LENGTH_CEILING)
-        if ok or not takes(2)[0]:
-            return "yes", ""
-        lo, hi = 2, LENGTH_CEILING  # takes lo, not hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            ok, reason = takes(mid)
-            lo, hi, why = (mid, hi, why) if ok else (lo, mid, reason)
-        return str(lo), f"takes up to {lo} positions; at {hi}: {why}"
-    except (Failure, RuntimeError, MemoryError):  # another crash, or too big for this machine: no limit to report;
-        return "yes", ""  # long-sequences shows a crash itself
-
-
 def parse_length(items) -> int | None:
     """The N of a ``length=N`` among ``--require`` items (the shortest sequence the target must take), or None."""
     found = [item.partition("=")[2] for item in items or () if item.startswith("length=")]
@@ -226,14 +197,15 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
         else:  # GQA is opt-in: raising = lacking it, unless grouped K/V heads are part of the convention
             found[name] = _outcome(call, "no" if name in target.raising_declines else "raises")
     found["dropout"] = _dropout(target, base, device, masked)
-    found["length"] = _max_length(target, base, device, masked)
+    length = probe_length(target, base, device, masked, parse_length(target.required))
+    found["length"] = (length.value, length.why)
     values = {name: found[name][0] for name in CAPABILITIES}
     reasons = {name: found[name][1] for name in CAPABILITIES if values[name] != "yes"}
-    target.supported = _supports(values, reasons)
+    target.supported = _supports(values, reasons, length)
     return values, reasons
 
 
-def _supports(values: dict, reasons: dict) -> Supports:
+def _supports(values: dict, reasons: dict, length=None) -> Supports:
     """What to draw for a target with these capabilities: everything but what it declined."""
     declined = {name for name, value in values.items() if value == "no"}
     key_padding = values["mask"] == "key-padding"
@@ -244,10 +216,42 @@ def _supports(values: dict, reasons: dict) -> Supports:
     why = {name: reasons[name] for name in ("unmasked", "mask", "batch", "cross", "dv-ne-dk", "length", "dropout")
            if name in reasons
            and (name in declined or values[name] in ("causal-only", "key-padding"))}
+    why.update({name: reasons[name] for name in DTYPES if name in declined and name in reasons})
+    if values["length"].isdigit():
+        why["length"] = reasons.get("length", "")
+    crashed = length is not None and length.value == "raises"
     return Supports(masks=masks, cross="cross" not in declined, batch="batch" not in declined,
                     dv_ne_dk="dv-ne-dk" not in declined, dropout=values["dropout"] == "yes",
                     max_length=int(values["length"]) if values["length"].isdigit() else None,
+                    crash_length=length.takes if crashed else None, length_crash=length.crash if crashed else "",
                     dtypes=tuple(name for name in DTYPES if name not in declined), why=why)
+
+
+def envelope(supports: Supports) -> list[dict]:
+    """What the target declares it does not take, and the check was narrowed to leave out: one
+    ``{"capability", "phrase", "why"}`` per limit, the phrases joined into the verdict ("CONFORMS up to
+    1024 positions, causal masks only"). Optional arguments a convention merely may take (scale,
+    dropout, is_causal) narrow nothing: a target without them is checked on everything else."""
+    masks, why = set(supports.masks), supports.why
+    found = []
+    if supports.max_length is not None:
+        found.append(("length", f"up to {supports.max_length} positions"))
+    mask_phrase = ("no masks" if not masks & {"random", "causal", "padding"} else
+                   "key-padding masks only" if "padding" in masks else
+                   "causal masks only" if "random" not in masks else
+                   "masked calls only" if "none" not in masks else "")
+    if mask_phrase:
+        found.append(("unmasked" if mask_phrase == "masked calls only" else "mask", mask_phrase))
+    found += [(name, phrase) for name, ok, phrase in (("cross", supports.cross, "self-attention only"),
+                                                      ("batch", supports.batch, "no batch dims"),
+                                                      ("dv-ne-dk", supports.dv_ne_dk, "d_v = d_k only")) if not ok]
+    if set(DTYPES) - set(supports.dtypes) and supports.dtypes:
+        names = list(supports.dtypes)
+        found.append(("dtypes", f"{', '.join(names[:-1])} and {names[-1]} only" if len(names) > 1
+                      else f"{names[0]} only"))
+    reasons = {**why, "mask": why.get("mask") or why.get("unmasked", ""),
+               "dtypes": "; ".join(f"{name}: {why[name]}" for name in DTYPES if name in why)}
+    return [{"capability": name, "phrase": phrase, "why": reasons.get(name, "")} for name, phrase in found]
 
 
 def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
@@ -258,6 +262,13 @@ def supports(target, dtypes=tuple(DTYPES), device: str = "cpu") -> Supports:
     if getattr(target, "supported", None) is None:
         probe_capabilities(target, dtypes, device)
     return target.supported
+
+
+def required(items) -> frozenset:
+    """What ``Target.required`` holds for ``--require`` items: the capability names and ``length=N`` (a limit
+    the user needs no more than: attn_spec.targets.lengths)."""
+    need = parse_length(items)
+    return frozenset(parse_capabilities(items)) | ({f"length={need}"} if need is not None else set())
 
 
 def parse_capabilities(items) -> list[str]:

@@ -72,6 +72,17 @@ def fill_replaces_finfo_min(Q, K, V, mask=None):
 
 
 @correct()
+def d2l_masked_softmax(Q, K, V, mask=None):
+    """d2l.ai's masked_softmax: masked scores replaced by -1e6 (X[~mask] = -1e6). No score attention reaches lies
+    below it (finite-fill=exact below 1e6), and float16 stores it as -inf."""
+    scores = _scores(Q, K)
+    if mask is not None:
+        scores = scores.clone()
+        scores[~mask.expand(scores.shape)] = -1e6
+    return torch.softmax(scores, dim=-1) @ V
+
+
+@correct()
 def fill_replaces_minus_inf(Q, K, V, mask=None):
     """masked_fill(~mask, -inf): the textbook fill."""
     scores = _scores(Q, K)

@@ -331,6 +331,14 @@ def unstabilised_softmax(Q, K, V, mask=None):
 
 
 @buggy("long-sequences",
+       mistake="kv-buffer-overflow", bug="keys read through a hard-coded block of 16 positions: IndexError from 17 "
+       "keys on, a crash no refusal or position buffer declares (the length probe bisects it; long-sequences fails)")
+def hard_coded_block_of_16(Q, K, V, mask=None):
+    idx = torch.arange(16, device=K.device)[torch.arange(K.shape[-2], device=K.device)]  # IndexError past 16 keys
+    return seed_function(Q, K[..., idx, :], V[..., idx, :], mask)
+
+
+@buggy("long-sequences",
        mistake="head-dim-tile", bug="scores use only the first 128 dims of Q and K (a kernel tile limit)")
 def head_dim_tile_128(Q, K, V, mask=None):
     scores = Q[..., :128] @ K[..., :128].transpose(-2, -1) / math.sqrt(Q.size(-1))
