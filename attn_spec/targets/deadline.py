@@ -40,6 +40,7 @@ SMALL_WORK = 2 ** 27  # multiply-adds the default deadline covers: 1 x 4 x 512 x
 IMPORT_FACTOR = 6  # an import gets 60 s by default
 GRACE = 2.0  # seconds past the deadline, at least, before the watchdog ends a process stuck in native code
 REPEAT = 0.05  # seconds between alarms once the deadline has passed, until the call unwinds
+POLL = 0.25  # seconds between the watchdog's looks
 _KIT = str(Path(__file__).resolve().parents[1])  # attn_spec/: frames of the kit's own are never interrupted
 
 _SECONDS: contextvars.ContextVar = contextvars.ContextVar("attn_spec_call_timeout", default=DEFAULT_SECONDS)
@@ -98,26 +99,23 @@ def seconds_now(factor: float = 1.0) -> float:
 
 
 class _Watchdog(threading.Thread):
-    """Ends the process when a call is still running ``until`` (a call stuck in native code)."""
+    """Ends the process when a call is still running at its ``until`` (a call stuck in native code). It looks every
+    POLL seconds, so that arming it costs a call nothing (no wake-up, no lock)."""
 
     def __init__(self):
         super().__init__(daemon=True, name="attn-spec call watchdog")
-        self.changed = threading.Condition()
-        self.until, self.what, self.pid = None, None, os.getpid()
+        self.watching, self.pid = None, os.getpid()  # (until, what) while a call runs
 
     def watch(self, until: float | None, what=None) -> None:
         """End the process at ``until`` (monotonic seconds; None: never), saying ``what()`` hung."""
-        with self.changed:
-            self.until, self.what = until, what
-            self.changed.notify()
+        self.watching = None if until is None else (until, what)
 
     def run(self) -> None:
-        with self.changed:
-            while True:
-                left = None if self.until is None else self.until - time.monotonic()
-                if left is not None and left <= 0:
-                    _end(self.what)
-                self.changed.wait(left)
+        while True:
+            time.sleep(POLL)
+            watching = self.watching
+            if watching is not None and time.monotonic() > watching[0]:
+                _end(watching[1])
 
 
 _watchdog: _Watchdog | None = None
