@@ -63,8 +63,31 @@ def slow_on_long_cases(Q, K, V, mask=None):
     return attention(Q, K, V, mask)
 
 
+class _SpinsBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        while True:
+            pass
+
+
+def spins_in_backward(Q, K, V, mask=None):
+    return _SpinsBackward.apply(attention(Q, K, V, mask))
+
+
+class SpinsWhenBuilt(torch.nn.Module):
+    def __init__(self, d_model, n_heads):
+        super().__init__()
+        while True:
+            pass
+
+
 def slow(Q, K, V, mask=None):
-    time.sleep(0.2)
+    """A check of it takes more than the 2 s after which progress shows."""
+    time.sleep(0.1)
     return attention(Q, K, V, mask)
 
 
@@ -104,6 +127,17 @@ def test_a_hanging_function_fails_its_properties_and_the_check_finishes_with_its
         assert p["counterexample"]["summary"].startswith("Q [") and "spins" in p["counterexample"]["traceback"]
     assert "did not return within 0.5 s" in spins["lacks"]["unmasked"]  # a header probe that hung moved on too
     assert correct["conforms"] and not spins["conforms"]  # the run went on to the next target
+
+
+def test_the_backward_and_a_modules_construction_have_deadlines_too(targets):
+    run = cli(targets, "targets.py:spins_in_backward", "targets.py:SpinsWhenBuilt", "--only", "gradients", *QUICK,
+              "--format", "json")
+    assert run.returncode == 1, run.stderr
+    backward, module = (t["properties"][0] for t in json.loads(run.stdout)["targets"])
+    assert backward["status"] == module["status"] == "fail"
+    assert backward["message"].startswith("the backward of targets.py:spins_in_backward(Q, K, V")
+    assert "did not return within 0.5 s (stopped at targets.py:" in backward["message"]
+    assert module["message"].startswith("targets.py:SpinsWhenBuilt(") and "in __init__)" in module["message"]
 
 
 def test_a_target_that_swallows_the_interrupt_still_fails_and_the_check_ends(targets):
