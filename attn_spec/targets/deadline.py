@@ -3,8 +3,8 @@ within 10 s") and the check goes on; one that cannot be interrupted ends the pro
 
 How long: the ``call-timeout`` setting, in seconds (default 10, the grader's ``call_seconds``: a small case takes
 a correct attention milliseconds, a plain Python loop over its entries a few seconds), for every call on a case
-of up to SMALL_WORK multiply-adds, b * n_q * n_kv * (d_k + d_v) (every case the default profile draws, and the
-header's probes); proportionally longer on a larger case (a ``--shapes`` rung, a thorough one), so a target as
+of up to SMALL_WORK multiply-adds, b * n_q * n_kv * (d_k + d_v) (about the largest the default profile draws;
+the header's probes are smaller); proportionally longer on a larger case (a ``--shapes`` rung, a thorough one), so a target as
 slow per multiply-add as one that just makes the deadline at SMALL_WORK makes it everywhere. A target's import
 gets IMPORT_FACTOR times as long (a heavy library imports slowly), unscaled. 0 disables the deadline.
 
@@ -104,18 +104,22 @@ class _Watchdog(threading.Thread):
 
     def __init__(self):
         super().__init__(daemon=True, name="attn-spec call watchdog")
-        self.watching, self.pid = None, os.getpid()  # (until, what) while a call runs
+        self.watching, self.pid = {}, os.getpid()  # thread id -> (until, what), while that thread's call runs
 
     def watch(self, until: float | None, what=None) -> None:
-        """End the process at ``until`` (monotonic seconds; None: never), saying ``what()`` hung."""
-        self.watching = None if until is None else (until, what)
+        """End the process at ``until`` (monotonic seconds; None: never) if this thread's call still runs then,
+        saying ``what()`` hung."""
+        if until is None:
+            self.watching.pop(threading.get_ident(), None)
+        else:
+            self.watching[threading.get_ident()] = (until, what)
 
     def run(self) -> None:
         while True:
             time.sleep(POLL)
-            watching = self.watching
-            if watching is not None and time.monotonic() > watching[0]:
-                _end(watching[1])
+            for until, what in list(self.watching.values()):
+                if time.monotonic() > until:
+                    _end(what)
 
 
 _watchdog: _Watchdog | None = None
@@ -162,7 +166,8 @@ class limit:
             return self
         _active.on, self.start, where = True, time.monotonic(), _CASE.get()[1]
         _watcher().watch(self.start + self.seconds + max(GRACE, self.seconds),
-                         lambda: f"{self.call} did not return within {words(self.seconds)}" + (f" ({where()})" if where else ""))
+                         lambda: f"{self.call} did not return within {words(self.seconds)}"
+                                 + (f" ({where()})" if where else ""))
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             self.alarm, self.trace = True, sys.gettrace()
             self.handler = signal.signal(signal.SIGALRM, self._on_alarm)

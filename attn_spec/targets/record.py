@@ -133,7 +133,7 @@ def record(fn, target, case) -> tuple[list[Call], BaseException | None]:
     target.recorder = Recorder()
     raised = None
     try:
-        with on_case(case):  # each call's deadline is a call's on this case
+        with on_case(case, lambda: f"{target.name}: replaying a failure on {case.summary()}"):  # each call's deadline
             fn(target, case)
     except (Failure, Unsupported) as exc:
         raised = exc
