@@ -85,6 +85,16 @@ class SpinsWhenBuilt(torch.nn.Module):
             pass
 
 
+_compiled = []
+
+
+def compiled(Q, K, V, mask=None):
+    """torch.compile'd on its first call: Dynamo's import and tracing take longer than a 1 s deadline here."""
+    if not _compiled:
+        _compiled.append(torch.compile(attention, backend="eager"))
+    return _compiled[0](Q, K, V, mask)
+
+
 def slow(Q, K, V, mask=None):
     """A check of it takes more than the 2 s after which progress shows."""
     time.sleep(0.1)
@@ -183,6 +193,13 @@ def test_the_deadline_scales_with_the_case(targets):
 def test_a_target_slow_only_on_long_cases_is_not_failed_on_them(targets):
     run = cli(targets, "targets.py:slow_on_long_cases", "--shapes", "1,1,4096,32", "--only", "matches-reference",
               "--dtypes", "float32", "--seed", "1", "--call-timeout", "0.5")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "CONFORMS" in run.stdout
+
+
+def test_a_call_that_is_compiling_is_not_hanging(targets):
+    run = cli(targets, "targets.py:compiled", "--only", "rows-sum-to-one", "--profile", "quick", "--seed", "1",
+              "--call-timeout", "1")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "CONFORMS" in run.stdout
 

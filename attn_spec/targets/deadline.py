@@ -18,7 +18,9 @@ traceback where it was stopped. A call stuck in native code never returns to the
 stopped in the process: a watchdog thread waits a grace period past the deadline (as long again, at least
 GRACE seconds), writes what hung (target, call, property, case) to stderr and ends the process with EXIT_HUNG
 (3). Outside the main thread (no signals there) and where there is no SIGALRM, only the watchdog. A call made
-inside another call (a module built inside a property's call) runs under the outer call's deadline.
+inside another call (a module built inside a property's call) runs under the outer call's deadline. A call
+still compiling at its deadline (torch.compile: Dynamo, AOTAutograd, Inductor, Triton frames on its stack) is
+not hanging: it gets another deadline's time, up to COMPILING times in all.
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ IMPORT_FACTOR = 6  # an import gets 60 s by default
 GRACE = 2.0  # seconds past the deadline, at least, before the watchdog ends a process stuck in native code
 REPEAT = 0.05  # seconds between alarms once the deadline has passed, until the call unwinds
 POLL = 0.25  # seconds between the watchdog's looks
+COMPILING = 30  # a call that is compiling (torch.compile) at its deadline gets more, up to 30 times the deadline
+COMPILERS = tuple(os.path.join("", *parts, "") for parts in (("torch", "_dynamo"), ("torch", "_functorch"),
+                                                             ("torch", "_inductor"), ("triton",)))
 _KIT = str(Path(__file__).resolve().parents[1])  # attn_spec/: frames of the kit's own are never interrupted
 
 _SECONDS: contextvars.ContextVar = contextvars.ContextVar("attn_spec_call_timeout", default=DEFAULT_SECONDS)
@@ -99,26 +104,30 @@ def seconds_now(factor: float = 1.0) -> float:
 
 
 class _Watchdog(threading.Thread):
-    """Ends the process when a call is still running at its ``until`` (a call stuck in native code). It looks every
-    POLL seconds, so that arming it costs a call nothing (no wake-up, no lock)."""
+    """Ends the process when a call is still running a grace period past its deadline (a call stuck in native code;
+    one still compiling gets more time). It looks every POLL seconds, so that arming it costs a call nothing."""
 
     def __init__(self):
         super().__init__(daemon=True, name="attn-spec call watchdog")
-        self.watching, self.pid = {}, os.getpid()  # thread id -> (until, what), while that thread's call runs
+        self.watching, self.pid = {}, os.getpid()  # thread id -> its running call's limit
 
-    def watch(self, until: float | None, what=None) -> None:
-        """End the process at ``until`` (monotonic seconds; None: never) if this thread's call still runs then,
-        saying ``what()`` hung."""
-        if until is None:
+    def watch(self, call: "limit | None") -> None:
+        """Watch this thread's ``call`` (None: its call has returned)."""
+        if call is None:
             self.watching.pop(threading.get_ident(), None)
         else:
-            self.watching[threading.get_ident()] = (until, what)
+            self.watching[threading.get_ident()] = call
 
     def run(self) -> None:
         while True:
             time.sleep(POLL)
-            for until, what in list(self.watching.values()):
-                if time.monotonic() > until:
+            for thread, call in list(self.watching.items()):
+                if time.monotonic() > call.start + call.allowed + call.grace and \
+                        not call.more_if_compiling(sys._current_frames().get(thread)):
+                    try:
+                        what = call.hung()
+                    except Exception as exc:  # noqa: BLE001 - a case whose summary fails: still end, saying so
+                        what = f"{call.call} did not return in time ({type(exc).__name__} describing its case)"
                     _end(what)
 
 
@@ -134,11 +143,7 @@ def _watcher() -> _Watchdog:
     return _watchdog
 
 
-def _end(what) -> None:
-    try:
-        what = what()
-    except Exception as exc:  # noqa: BLE001 - the words of a case that cannot be summarised
-        what = f"a call did not return in time ({type(exc).__name__} describing it)"
+def _end(what: str) -> None:
     for stream in (sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -153,32 +158,56 @@ def _in_target(frame) -> bool:
     return frame is not None and not frame.f_code.co_filename.startswith(_KIT)
 
 
+def _compiling(frame) -> bool:
+    """Is torch.compile at work in this stack (Dynamo tracing, AOTAutograd, Inductor or Triton compiling)?"""
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in COMPILERS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class limit:
     """``with limit(call):`` the call into the target (``call``: as the user would write it) under its deadline."""
 
     def __init__(self, call: str, factor: float = 1.0):
         self.call, self.seconds = call, seconds_now(factor)
+        self.allowed = self.seconds  # more, period by period, while torch.compile is at work
+        self.grace = max(GRACE, self.seconds)  # past what is allowed, before the watchdog ends the process
         self.on = bool(self.seconds) and not getattr(_active, "on", False)
         self.passed, self.alarm = False, False
 
     def __enter__(self):
         if not self.on:
             return self
-        _active.on, self.start, where = True, time.monotonic(), _CASE.get()[1]
-        _watcher().watch(self.start + self.seconds + max(GRACE, self.seconds),
-                         lambda: f"{self.call} did not return within {words(self.seconds)}"
-                                 + (f" ({where()})" if where else ""))
+        _active.on, self.start, self.where = True, time.monotonic(), _CASE.get()[1]
+        _watcher().watch(self)
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             self.alarm, self.trace = True, sys.gettrace()
             self.handler = signal.signal(signal.SIGALRM, self._on_alarm)
             self.timer = signal.setitimer(signal.ITIMER_REAL, self.seconds, REPEAT)
         return self
 
+    def more_if_compiling(self, frame) -> bool:
+        """One more deadline's time if torch.compile is at work in ``frame``'s stack and the call has had less than
+        COMPILING deadlines: True if it got it."""
+        if self.allowed >= COMPILING * self.seconds or not _compiling(frame):
+            return False
+        self.allowed += self.seconds
+        return True
+
+    def hung(self) -> str:
+        """What hung, in words: the call, its deadline, the property and case."""
+        return f"{self.call} did not return within {words(self.allowed)}" + (f" ({self.where()})" if self.where else "")
+
     def _on_alarm(self, signum, frame):
         if not _in_target(frame):  # the kit's own code, around the call: the call has returned
             return
+        if self.more_if_compiling(frame):  # compiling is not hanging
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, REPEAT)
+            return
         self.passed = True
-        stop, inside = DeadlinePassed(self.seconds), set()  # inside: the target's frames, up to the kit's call
+        stop, inside = DeadlinePassed(self.allowed), set()  # inside: the target's frames, up to the kit's call
 
         def trace(frame, event, arg):  # the next line the target runs raises it again: no except clause keeps it
             if event == "call":  # a frame the target's code calls is the target's too
@@ -214,8 +243,8 @@ class limit:
         from attn_spec.targets.loading import user_traceback
 
         if not isinstance(exc, DeadlinePassed):  # it caught the interrupt, and returned or raised another
-            exc = DeadlinePassed(self.seconds)
-        raise TargetHung(exc, self.call, self.seconds, user_traceback(exc), stopped_at(exc)) from None
+            exc = DeadlinePassed(self.allowed)
+        raise TargetHung(exc, self.call, self.allowed, user_traceback(exc), stopped_at(exc)) from None
 
 
 def stopped_at(exc: BaseException) -> str:
