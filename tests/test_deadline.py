@@ -18,6 +18,7 @@ import pytest
 
 from attn_spec.checking.cases import Case
 from attn_spec.cli import EXIT_HUNG, main
+from attn_spec.settings import SETTINGS
 from attn_spec.targets import deadline
 
 TARGETS = '''\
@@ -188,6 +189,7 @@ def test_the_deadline_scales_with_the_case(targets):
             assert deadline.seconds_now() == 0.5 * 4096 * 4096 * 64 / deadline.SMALL_WORK == 4.0
         with deadline.timeout(0):
             assert deadline.seconds_now() == 0
+    assert f"an import {deadline.IMPORT_FACTOR} times as long" in SETTINGS["call-timeout"].help  # as the help says
 
 
 def test_a_target_slow_only_on_long_cases_is_not_failed_on_them(targets):
