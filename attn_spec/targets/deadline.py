@@ -46,7 +46,7 @@ POLL = 0.25  # seconds between the watchdog's looks
 COMPILING = 30  # a call that is compiling (torch.compile) at its deadline gets more, up to 30 times the deadline
 COMPILERS = tuple(os.path.join("", *parts, "") for parts in (("torch", "_dynamo"), ("torch", "_functorch"),
                                                              ("torch", "_inductor"), ("triton",)))
-_KIT = str(Path(__file__).resolve().parents[1])  # attn_spec/: frames of the kit's own are never interrupted
+_KIT = os.path.join(str(Path(__file__).resolve().parents[1]), "")  # attn_spec/: the kit's own frames, never stopped
 
 _SECONDS: contextvars.ContextVar = contextvars.ContextVar("attn_spec_call_timeout", default=DEFAULT_SECONDS)
 _CASE: contextvars.ContextVar = contextvars.ContextVar("attn_spec_call_case", default=(0, None))  # (work, where)
