@@ -36,6 +36,7 @@ from pathlib import Path
 
 from attn_spec.cli import EXIT_HUNG
 from attn_spec.errors import KitSignal, TargetHung
+from attn_spec.targets.tracebacks import user_traceback
 
 DEFAULT_SECONDS = 10.0  # a call on a small case (the grader's call_seconds)
 SMALL_WORK = 2 ** 27  # multiply-adds the default deadline covers: 1 x 4 x 512 x 512 x (64 + 64)
@@ -240,8 +241,6 @@ class limit:
         _active.on = False
         if not self.passed:
             return False
-        from attn_spec.targets.loading import user_traceback
-
         if not isinstance(exc, DeadlinePassed):  # it caught the interrupt, and returned or raised another
             exc = DeadlinePassed(self.allowed)
         raise TargetHung(exc, self.call, self.allowed, user_traceback(exc), stopped_at(exc)) from None
