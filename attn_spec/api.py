@@ -25,6 +25,7 @@ from attn_spec.run import Run
 from attn_spec.targets.behaviours import parse_requirements
 from attn_spec.targets.capabilities import parse_capabilities, required
 from attn_spec.targets.conventions import Target, load, make_target, parse_masks
+from attn_spec.targets.deadline import timeout
 from attn_spec.targets.loading import load_target
 from attn_spec.version import __version__
 
@@ -45,7 +46,8 @@ class Plan:
         """How its properties run: the dtypes named in the settings or fixed by the shapes' rungs, else each
         target convention's own (hf: no float64), else all."""
         given = self.dtypes if self.settings["dtypes"] or self.rungs else None
-        return Run(self.settings["profile"], self.seed, given, self.devices, self.rungs, diagnose, verbose)
+        return Run(self.settings["profile"], self.seed, given, self.devices, self.rungs, diagnose, verbose,
+                   self.settings["call-timeout"])
 
 
 def plan(settings: attn_settings.Settings) -> Plan:
@@ -100,10 +102,11 @@ def load_targets(settings: attn_settings.Settings, objects=None, *, name: str | 
     for obj in objects:
         key = name if name and len(objects) == 1 else (obj if isinstance(obj, str) else None)
         try:
-            target = obj if isinstance(obj, Target) else \
-                load(obj, settings["convention"], name=key, root=root, masks=masks,
-                     inference_only=settings["inference-only"], verbose=verbose, **options) if isinstance(obj, str) \
-                else make_target(obj, key, settings["convention"], masks, verbose=verbose, **options)
+            with timeout(settings["call-timeout"]):  # an import, a module built: under their deadlines
+                    target = obj if isinstance(obj, Target) else \
+                    load(obj, settings["convention"], name=key, root=root, masks=masks,
+                         inference_only=settings["inference-only"], verbose=verbose, **options) if isinstance(obj, str) \
+                    else make_target(obj, key, settings["convention"], masks, verbose=verbose, **options)
         except keep as exc:  # an adapter class that raises when instantiated: the others still run
             if not_loaded is None:
                 raise
@@ -138,7 +141,7 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
           devices=None, require=None, expect=None, inference_only=None, shapes=None, progress=None,
           exitfirst=False, verbose=False, config=False, diagnose=True, masks=None, layout=None, expect_mask=None,
-          expect_score=None, hf_module_attr=None, hf_config=None) -> Report:
+          expect_score=None, hf_module_attr=None, hf_config=None, call_timeout=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     ``masks``: the mask forms the targets take, ``("bool",)`` or ``("bool", "additive")`` (default:
@@ -163,13 +166,14 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     ``layout`` (bhsd, bshd), ``expect_mask``, ``expect_score``, ``hf_module_attr`` (``["NAME=VALUE"]``) and
     ``hf_config`` (a config.json) are passed to ``make_target``
     (attn_spec.targets.conventions). Without ``dtypes``, each target is checked in its convention's dtypes
-    (hf: float32, float16, bfloat16).
+    (hf: float32, float16, bfloat16). ``call_timeout``: seconds a call into a target may take on a small case,
+    proportionally more on larger ones (default 10; 0: none); a call past it fails its property as a hang.
     """
     given = config_keywords(convention=convention, profile=profile, seed=seed, only=only, skip=skip,
                             dtypes=dtypes, devices=devices, require=require, expect=expect,
                             inference_only=inference_only, shapes=shapes, masks=masks, layout=layout,
                             expect_mask=expect_mask, expect_score=expect_score, hf_module_attr=hf_module_attr,
-                            hf_config=hf_config)
+                            hf_config=hf_config, call_timeout=call_timeout)
     if not config:
         settings = attn_settings.resolve([given])
     else:

@@ -4,7 +4,8 @@ Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit 
 command's arguments prints one line that says what is wrong, then where the usage is
 (``run 'attn-spec check --help' for usage``): that command's, never the top-level one, and never the
 whole usage block before the line that matters.
-Exit codes: 0 success / conforms, 1 a property fails, 2 usage error or unloadable target.
+Exit codes: 0 success / conforms, 1 a property fails, 2 usage error or unloadable target, 3 a call into a
+target could not be interrupted past its deadline (attn_spec.targets.deadline ends the process).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_HUNG = 0, 1, 2, 3
 
 EPILOG = """\
 Examples:
@@ -23,7 +24,8 @@ Examples:
   attn-spec config                 # the effective settings and where each comes from
   attn-spec COMMAND --help
 
-Exit status: 0 success (every target conforms), 1 a property fails, 2 usage error.
+Exit status: 0 success (every target conforms), 1 a property fails, 2 usage error, 3 a target hung beyond
+interruption (stuck in native code past its deadline).
 """
 
 

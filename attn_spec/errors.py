@@ -3,6 +3,7 @@
     AttnSpecError
     ├── Failure (also an AssertionError)   a property does not hold on the current case
     │   ├── TargetRaised                   ... because the target raised on a valid input
+    │   │   └── TargetHung                 ... or did not return within its deadline
     │   └── NotDifferentiable              ... because its output carries no gradient (it is trained)
     ├── Unsupported                        the target declared or lacks what a property needs
     ├── Uninformative                      the case does not make the property's relation bite
@@ -64,6 +65,18 @@ class TargetRaised(Failure):
         super().__init__(f"{call} raised {type(exc).__name__}: {text}",
                          cause="the attention under test crashed on a valid input; see its traceback")
         self.exc, self.user_traceback = exc, user_traceback
+
+
+class TargetHung(TargetRaised):
+    """The target did not return within its deadline (attn_spec.targets.deadline): ``exc`` is the kit's
+    interrupt, ``user_traceback`` and ``where`` (``file.py:3 in fn``) where the target's code was when it came."""
+
+    def __init__(self, exc: BaseException, call: str, seconds: float, user_traceback: str, where: str = ""):
+        Failure.__init__(self, f"{call} did not return within {seconds:.3g} s" + (f" (stopped at {where})" if where
+                                                                                   else ""),
+                         cause="the attention under test never returned on a valid input: an endless loop, a wait "
+                               "for something that never comes, or far too slow (--call-timeout sets the deadline)")
+        self.exc, self.user_traceback, self.seconds = exc, user_traceback, seconds
 
 
 class NotDifferentiable(Failure):

@@ -354,6 +354,7 @@ def _marked(item, session: AttnSpecSession) -> list:
 def _marker_checker(item, mark, session: AttnSpecSession):
     from attn_spec.api import target_options
     from attn_spec.targets.conventions import make_target
+    from attn_spec.targets.deadline import timeout
     from attn_spec.targets.loading import load_target, spec_of
 
     keywords = dict(mark.kwargs)
@@ -368,9 +369,10 @@ def _marker_checker(item, mark, session: AttnSpecSession):
         key, obj = target, load_target(target)
     else:
         key, obj = spec_of(target) or getattr(target, "__qualname__", type(target).__name__), target
-    return Checker(settings, seed, {key: make_target(obj, key, settings["convention"], settings["masks"] or None,
-                                                     inference_only=settings["inference-only"],
-                                                     **target_options(settings))}), key
+    with timeout(settings["call-timeout"]):  # the layout probe's calls
+        made = make_target(obj, key, settings["convention"], settings["masks"] or None,
+                           inference_only=settings["inference-only"], **target_options(settings))
+    return Checker(settings, seed, {key: made}), key
 
 
 class MarkerError(pytest.Item):

@@ -18,6 +18,7 @@ capability is added here too.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -63,7 +64,7 @@ def _module_attr(item: str) -> str | None:
 class Setting:
     name: str  # the key in [tool.attn-spec]; flags, variables and ini keys derive from it
     help: str
-    kind: str = "str"  # str | int | bool | list
+    kind: str = "str"  # str | int | bool | list | seconds (a number >= 0; none: 0)
     choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = ()  # or a function giving them when a value is parsed
     default: Any = None
     metavar: str = ""
@@ -117,6 +118,9 @@ _SETTINGS = (
             f"(KEY=VALUE as in the report header; keys: {', '.join(BEHAVIOURS)}), or length=N: the target must take "
             f"sequences of N positions (a module's probed max length)", kind="list",
             metavar="CAPABILITY|KEY=VALUE"),
+    Setting("call-timeout", "seconds a call into a target may take on a small case (proportionally more on larger "
+            "ones; an import 6 times as long) before it fails its property as a hang; 0 or none: no deadline",
+            kind="seconds", default=10.0, metavar="SECONDS"),
     Setting("expect", "file of properties known to fail or skip, one id per line with a # comment: they do not "
             "fail the run, and stale lines are reported", metavar="FILE", paths="file"),
     Setting("masks", "mask forms the targets take: bool (True = may attend; every convention) and additive "
@@ -174,6 +178,16 @@ def _parse(s: Setting, raw: Any) -> Any:
         if isinstance(raw, str) and re.fullmatch(r"\s*-?\d+\s*", raw):
             return int(raw)
         raise KitUsageError("must be an integer")
+    if s.kind == "seconds":  # a number >= 0; 0, "none" or "off": no limit
+        if isinstance(raw, str) and raw.strip().lower() in ("none", "off"):
+            return 0.0
+        try:
+            seconds = math.nan if isinstance(raw, bool) else float(raw)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not 0 <= seconds < math.inf:
+            raise KitUsageError("must be a number of seconds (0 or none: no limit)")
+        return seconds
     if s.kind == "list":
         items = [raw] if isinstance(raw, str) else raw
         if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):

@@ -33,6 +33,7 @@ from attn_spec.report import render
 from attn_spec.run import Run
 from attn_spec.settings import did_you_mean
 from attn_spec.targets.conventions import Target, make_target, parse_masks
+from attn_spec.targets.deadline import timeout
 
 # The catalog's order, public in every report and in `attn-spec list`: the basic, decisive properties
 # first, the serving kernels' own last. Each id is defined in the module of its family (family= in @prop).
@@ -80,21 +81,24 @@ def select(only=None, skip=None) -> list[Property]:
 
 
 def check_property(property_id: str, target, *, convention=None, profile="default", seed=None, dtypes=None,
-                   devices=None, masks=None):
+                   devices=None, masks=None, call_timeout=None):
     """Run one property with Hypothesis on ``target``; AssertionError with the lesson if it does not hold.
 
     ``target`` is your function or module (any convention; ``convention=`` when it cannot be
     detected) or an adapter. ``masks=("bool", "additive")`` declares that it takes additive float
-    masks too. ``seed=None`` draws a random seed; the failure text names it.
+    masks too. ``seed=None`` draws a random seed; the failure text names it. ``call_timeout``: seconds a
+    call into the target may take on a small case (default 10; 0: none), as ``attn-spec check --call-timeout``.
     Returns the :class:`attn_spec.report.PropertyResult` (status "pass", or "skip" with the reason
     in ``message`` when the property does not apply to the target).
     """
     get_profile(profile)
     prop = select(only=[property_id])[0]
-    adapter = target if isinstance(target, Target) else make_target(target, convention=convention, masks=masks)
+    with timeout(call_timeout):  # the layout probe's calls
+        adapter = target if isinstance(target, Target) else make_target(target, convention=convention, masks=masks)
     adapter.masks = parse_masks(masks) or adapter.masks
     seed = random.randrange(2**32) if seed is None else seed
-    run = Run(profile, seed, list(dtypes) if dtypes else None, list(devices) if devices else None)
+    run = Run(profile, seed, list(dtypes) if dtypes else None, list(devices) if devices else None,
+              call_timeout=call_timeout)
     result, diagnosis, _ = run.property(prop, adapter)
     if result.status in ("fail", "error"):
         raise AssertionError(render(result, "text", diagnosis=diagnosis, traceback=True))

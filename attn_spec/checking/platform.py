@@ -38,6 +38,7 @@ from attn_spec.reference import fold_causal
 from attn_spec.checking import chunked, grad_tolerance, rows, tolerance
 from attn_spec.checking.platform_snippet import snippet
 from attn_spec.errors import Failure, PlatformDefect
+from attn_spec.targets.deadline import on_case
 
 F64 = torch.float64
 FORMS = ("Q scaled first", "scores scaled")  # tolerance.naive_attention, tolerance.seed_attention
@@ -70,7 +71,13 @@ class Inputs:
 def judge(prop, target, case) -> None:
     """``prop.fn(target, case)``; a failure that the kit's own formula shows too on the inputs of its calls is
     the platform's: PlatformDefect instead of the Failure. Its note is made once per kind of defect and target
-    (``target.platform_notes``); the report counts the cases and properties it took."""
+    (``target.platform_notes``); the report counts the cases and properties it took. Each call into the target
+    has the deadline of a call on ``case`` (attn_spec.targets.deadline)."""
+    with on_case(case, lambda: f"{target.name}: {prop.id} on {case.summary()}"):  # each call's deadline
+        _judge(prop, target, case)
+
+
+def _judge(prop, target, case) -> None:
     if getattr(target, "recorder", True) is not None:  # a diagnosis is recording its replays: no second recorder
         prop.fn(target, case)
         return

@@ -26,7 +26,7 @@ from attn_spec.targets.capabilities import (Supports, envelope, parse_capabiliti
                                           required, supports)
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
-from attn_spec.errors import Failure, PlatformDefect, Uninformative, Unsupported
+from attn_spec.errors import Failure, KitSignal, PlatformDefect, TargetHung, Uninformative, Unsupported
 from attn_spec.checking.assertions import counting
 from attn_spec.checking.platform import judge
 from attn_spec.report import PropertyResult, TargetReport
@@ -34,6 +34,14 @@ from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.shrink import shrink
 from attn_spec.checking.strategies import get_profile
 from attn_spec.targets.record import differs, record
+
+
+class _Hung(KitSignal):
+    """A call past its deadline, carried out of Hypothesis (a BaseException: it neither shrinks nor retries it)."""
+
+    def __init__(self, failure: TargetHung):
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 @contextlib.contextmanager
@@ -66,7 +74,7 @@ def _global_rng(seed: int, salt: str):
 
 
 def run_property(prop: Property, target: Target, *, profile: str, seed: int, dtypes, devices,
-                 verbose: bool = False, rungs=None) -> PropertyResult:
+                 verbose: bool = False, rungs=None, progress=None) -> PropertyResult:
     """Run one property: explicit examples first, then random cases, shrinking any failure.
 
     The cases are those the target takes (probed once per target: attn_spec.checking.fitting); a
@@ -74,13 +82,15 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     The target's prints, warnings and log records are captured (``result.output``; all that was
     kept with ``verbose``); its exceptions are its failures; an exception of the kit's own is an
     ``error`` with the kit's traceback. ``rungs`` (fixed shapes, see attn_spec.checking.shapes):
-    the property's cases at those shapes instead, nothing drawn or shrunk."""
+    the property's cases at those shapes instead, nothing drawn or shrunk. ``progress(n)``: told when the
+    n-th case starts. A call that does not return within its deadline fails the property on its case,
+    unshrunk (attn_spec.targets.deadline)."""
     result = PropertyResult(prop.id, "pass", statement=prop.statement)
     if target.convention not in prop.conventions:
         result.status, result.message = "skip", f"does not apply to the {target.convention} convention"
         return result
     if rungs is not None:
-        return run_fixed(prop, target, rungs, seed, result, verbose=verbose)
+        return run_fixed(prop, target, rungs, seed, result, verbose=verbose, progress=progress)
     prof = get_profile(profile)
     with capture():  # a target not probed yet (check_property) is probed here, its prints kept off the terminal
         takes = supports(target, dtypes, devices[0])
@@ -97,6 +107,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         if unsupported and (unsupported[-1].total or (len(unsupported) >= GIVE_UP and not supported[0])):
             return  # nothing left to learn: let Hypothesis run out its budget for free
         result.examples += 1
+        if progress:
+            progress(result.examples)
         try:
             judge(prop, target, case)
         except PlatformDefect as exc:  # the platform fails the kit's own formula on this case: draw another
@@ -113,6 +125,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
             exc.attn_case = case
             if result.found_after_calls is None:  # the first failing input, before any shrinking
                 result.found_after_calls = _calls_to(exc, target)
+            if isinstance(exc, TargetHung):  # not shrunk: every smaller case tried would wait out its deadline
+                raise _Hung(exc) from None
             raise
         supported[0] += 1
 
@@ -145,9 +159,10 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
                 # Hypothesis never shrinks an explicit example (nor, at quick, a drawn one): the kit does
                 raise shrink(prop, target, explicit, dict(prop.case_options, **fitted),
                              lambda case: fit_case(case, fitted, dtypes, devices))
-    except Failure as failure:
+    except (Failure, _Hung) as caught:
+        failure = caught.failure if isinstance(caught, _Hung) else caught
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
-        result.vacuous = failure.vacuous
+        result.vacuous, result.hung = failure.vacuous, isinstance(failure, TargetHung)
         result.counterexample = counterexample(prop, failure, failure.attn_case, target, seed)
         result.case = failure.attn_case
     except Unsatisfiable:
@@ -215,7 +230,7 @@ ROOT = "matches-reference"  # what a vacuous failure is blocked by: it names wha
 
 
 def run_fixed(prop: Property, target: Target, rungs, seed: int, result: PropertyResult, *,
-              verbose: bool = False) -> PropertyResult:
+              verbose: bool = False, progress=None) -> PropertyResult:
     """Check ``prop`` on its cases at each rung, in order; stop at the first failure.
 
     As in run_property, the target's output is captured and torch's global RNG seeded for the
@@ -230,6 +245,8 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
             if unsupported and unsupported[-1].total:
                 break
             result.examples += 1
+            if progress:
+                progress(result.examples)
             try:
                 judge(prop, target, case)
             except Uninformative as exc:  # a platform defect too (PlatformDefect): this case checks nothing
@@ -241,7 +258,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
             except Failure as failure:
                 result.status, result.message, result.cause = "fail", failure.message, failure.cause
                 result.message += f" (at {case.summary()})"
-                result.vacuous, result.case = failure.vacuous, case
+                result.vacuous, result.case, result.hung = failure.vacuous, case, isinstance(failure, TargetHung)
                 result.found_after_calls = _calls_to(failure, target)
                 result.counterexample = counterexample(prop, failure, case, target, seed)
                 break
@@ -407,6 +424,8 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     props = applicable(props, target)
     # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
     if target.is_attention:
+        if progress:
+            progress(f"{target.name}: probing its capabilities and behaviours")
         probe_errors = _probe_header(report, target, dtypes, devices, seed, verbose)
     else:  # a FlexAttention mod: no attention to probe; what it computes, drawn
         probe_errors = []
@@ -419,10 +438,10 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
         if exitfirst and any(r.status in ("fail", "error") and r.id not in expected for r in results.values()):
             results[prop.id] = PropertyResult(prop.id, "not-run", NOT_RUN, statement=prop.statement)
             continue
-        if progress:
-            progress(f"{target.name}: [{i + 1}/{len(props)}] {prop.id}")
+        tick = progress and (lambda n, where=f"{target.name}: [{i + 1}/{len(props)}] {prop.id}":
+                             progress(f"{where}, case {n}"))
         results[prop.id] = run_property(prop, target, profile=profile, seed=seed, dtypes=dtypes, devices=devices,
-                                        verbose=verbose, rungs=rungs)
+                                        verbose=verbose, rungs=rungs, progress=tick)
     report.properties = [results[p.id] for p in props]
     for result in report.properties:  # counted from the first property's first call, not the probes'
         if result.found_after_calls is not None:

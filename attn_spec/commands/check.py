@@ -26,6 +26,7 @@ Examples:
   attn-spec check my_kernels.py:flash_like --layout bshd
   attn-spec check mymods.py:sliding_window_mask --expect-mask sliding-window:4
   attn-spec check mymods.py:tanh_softcap --expect-score softcap:50
+  attn-spec check slow.py:attention --call-timeout 60         # each call may take 60 s on a small case
   attn-spec check my.py:attention --shapes 1,8,4096,128 1,32,8,1,32768,128   # B,H,N,D or B,H,HKV,NQ,NKV,D
   attn-spec check my.py:decode --shapes 4,32,8,1,32768,128,page=256   # B,H,[HKV,]S_NEW,S_CACHE,D[,page=P]
   attn-spec check torch.nn.functional:scaled_dot_product_attention --profile scale
@@ -35,7 +36,10 @@ Every setting can also come from an environment variable (ATTN_SPEC_PROFILE=quic
 environment, then the file. `attn-spec config` shows the effective settings and their sources.
 
 Exit status: 0 every target conforms, 1 a property fails or a target had nothing checked, 2 usage
-error or a target that cannot be loaded (the others are still checked and reported).
+error or a target that cannot be loaded (the others are still checked and reported), 3 a call into a
+target could not be interrupted past its deadline (--call-timeout; stuck in native code): stderr says which.
+A call past its deadline that can be interrupted fails its property ("did not return within 10 s") and the
+check goes on. On a terminal, a check that runs longer than 2 s shows its progress on stderr.
 """
 
 
@@ -58,21 +62,25 @@ def add_parser(commands) -> None:
 
 
 class _Progress:
-    """One status line on stderr, only on a terminal and only once a run takes a few seconds."""
+    """One status line on stderr (which target, property, case), rewritten in place at most ``every`` seconds:
+    only on a terminal and only once a run takes ``after`` seconds; cleared at the end. ``stream``: stderr as it
+    was when the run began (the targets' output is captured meanwhile)."""
 
-    def __init__(self, enabled: bool, after: float = 2.0):
-        self.enabled, self.start, self.after, self.shown = enabled, time.monotonic(), after, False
+    def __init__(self, stream, enabled: bool, after: float = 2.0, every: float = 0.2):
+        self.stream, self.enabled, self.after, self.every = stream, enabled, after, every
+        self.start, self.last, self.shown = time.monotonic(), 0.0, False
 
     def __call__(self, text: str) -> None:
-        if self.enabled and time.monotonic() - self.start > self.after:
-            sys.stderr.write(f"\r\033[K{text}")
-            sys.stderr.flush()
-            self.shown = True
+        now = time.monotonic()
+        if self.enabled and now - self.start > self.after and now - self.last >= self.every:
+            self.stream.write(f"\r\033[K{text}")
+            self.stream.flush()
+            self.last, self.shown = now, True
 
     def done(self) -> None:
         if self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+            self.stream.write("\r\033[K")
+            self.stream.flush()
 
 
 def _output_problem(path: str) -> str | None:
@@ -113,7 +121,7 @@ def run(args) -> int:
         print(f"attn-spec: {missing['message']}", file=sys.stderr)
     if not targets:
         return EXIT_USAGE
-    progress = _Progress(sys.stderr.isatty())
+    progress = _Progress(sys.stderr, sys.stderr.isatty() and args.format not in ("json", "junit"))  # quiet in CI logs
     try:
         report = api.run(targets, plan, progress=progress, exitfirst=args.exitfirst, verbose=args.verbose,
                          not_loaded=not_loaded)

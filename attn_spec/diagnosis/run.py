@@ -53,7 +53,7 @@ def diagnose(target, results, registry) -> list[Diagnosis]:
     evidences, shortlist = {}, []
     for r in failures:
         case = case_of(r)
-        if case is not None and replayable(case):
+        if case is not None and replayable(case) and not getattr(r, "hung", False):  # a replay of a hang would wait out its deadline
             evidences[r.id] = gather(r.id, registry[r.id].fn, target, case, shortlist=shortlist)
             shortlist += [f.mistake.id for f in evidences[r.id].fits if f.mistake.id not in shortlist]
     consistency = Consistency(passing_calls(target, results, registry, replayable) if evidences else {})
@@ -104,7 +104,8 @@ def judge_against_passing(root: Diagnosis, consistency: Consistency) -> None:
 def diagnose_one(target, result, registry, *, shortlist=()) -> Diagnosis | None:
     """The root of one failing result on its own (pytest items, ``check_property``), or None."""
     case = case_of(result)
-    if result.status != "fail" or case is None or not replayable(case) or result.id not in registry:
+    if result.status != "fail" or case is None or not replayable(case) or result.id not in registry \
+            or getattr(result, "hung", False):
         return None
     evidence = gather(result.id, registry[result.id].fn, target, case, shortlist=shortlist)
     roots = group([result.id], {result.id: evidence}, order=[result.id], after={}, target=target,

@@ -38,6 +38,7 @@ class PropertyResult:
     case: object = field(default=None, repr=False, compare=False)  # the minimal failing case (not serialised)
     output: dict | None = None  # what the target printed, warned and logged meanwhile (attn_spec.targets.capture)
     platform: list = field(default_factory=list, repr=False)  # a note per case lost to a platform defect (checking.platform)
+    hung: bool = field(default=False, repr=False, compare=False)  # it failed on a call past its deadline (not replayed)
 
     def __setattr__(self, name, value):
         if name == "status":

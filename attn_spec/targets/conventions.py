@@ -44,13 +44,14 @@ base.py.
 """
 from __future__ import annotations
 
-from attn_spec.errors import KitUsageError
+from attn_spec.errors import KitUsageError, TargetHung, TargetLoadError
 from attn_spec.targets import base
 from attn_spec.targets.base import (  # noqa: F401 - the conventions' vocabulary, imported from here too
     CLASSES, MASK_FORMS, PROJECTIONS, Target, _call, check_output, convention_class, conventions, parameter_names,
     parse_masks, positional_capacity)
 from attn_spec.targets.call_shapes import check_call_shape
 from attn_spec.targets.capture import capture
+from attn_spec.targets.deadline import IMPORT_FACTOR, words
 from attn_spec.targets.functions import FunctionTarget, SdpaTarget  # noqa: F401 - registers them; imported from here
 from attn_spec.targets.guard import StateGuard
 from attn_spec.targets.layouts import attend_shape, broadcast_shapes  # noqa: F401 - imported from here too
@@ -122,12 +123,18 @@ def load(spec: str, convention: str | None = None, *, name: str | None = None, r
          masks=None, inference_only: bool = False, verbose: bool = False, **options) -> Target:
     """Import the TARGET ``spec`` (``root``: see load_target) and wrap it (``masks``: see make_target). What
     the import printed is kept (``target.output["import"]``); the global state it changed is restored and
-    noted. ``options``: the other keywords of make_target (layout, expect_mask, expect_score). Raises
+    noted; an import that does not finish within its deadline (attn_spec.targets.deadline) is one that
+    cannot be loaded. ``options``: the other keywords of make_target (layout, expect_mask, expect_score). Raises
     TargetLoadError (or KitUsageError: no convention fits)."""
     state = StateGuard()
     with capture() as output:
-        with state.call(f"importing {spec}"):
-            obj = load_target(spec, root=root)
+        try:
+            with state.call(f"importing {spec}", deadline=IMPORT_FACTOR):
+                obj = load_target(spec, root=root)
+        except TargetHung as exc:  # an import that never ends is a target that cannot be loaded
+            raise TargetLoadError(f"Cannot load target {spec!r}: importing it did not finish within "
+                                  f"{words(exc.seconds)} (--call-timeout sets the deadline: {IMPORT_FACTOR} "
+                                  f"times a call's)\n\n{exc.user_traceback}") from None
         target = make_target(obj, name or spec, convention, masks, inference_only=inference_only, state=state,
                              verbose=verbose, **options)
     if output.summary():

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from attn_spec.targets.deadline import timeout as call_deadline
+
 
 def call_in_child(fn, *, timeout: float = 20.0) -> tuple[str, object]:
     """``fn()`` in a forked child: ("value", its result), ("raises", (exception type name, its text, whether it
@@ -29,7 +31,8 @@ def call_in_child(fn, *, timeout: float = 20.0) -> tuple[str, object]:
         faulthandler.disable()  # a crash is the result, not a traceback on the parent's stderr
         torch.set_num_threads(1)
         try:
-            result = ("value", fn())
+            with call_deadline(0):  # the parent times the child (``timeout``): no deadline of its own in here
+                result = ("value", fn())
         except BaseException as exc:  # noqa: BLE001 - the call's outcome, whatever it is
             from attn_spec.errors import Unsupported
 

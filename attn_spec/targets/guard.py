@@ -17,7 +17,8 @@ attn_spec.targets.capture; per call they would blame a target for what a lazy im
 
 It also tells the user's Ctrl-C from a ``KeyboardInterrupt`` the target raises itself: while a
 call runs in the main thread, SIGINT is noted before the usual handler raises. Only the real
-one stops the run (:func:`passes_through`).
+one stops the run (:func:`passes_through`). And it puts each call under its deadline
+(attn_spec.targets.deadline).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import threading
 
 import torch
 
-from attn_spec.errors import KitSignal
+from attn_spec.errors import KitSignal, TargetHung
+from attn_spec.targets.deadline import limit
 
 _cuda, _cudnn, _mkldnn = torch.backends.cuda, torch.backends.cudnn, torch.backends.mkldnn
 
@@ -132,9 +134,10 @@ def _watching_ctrl_c():
 
 def passes_through(exc: BaseException) -> bool:
     """True for what must stop a call's caller, not be reported as the target's: the kit's own
-    control-flow signals, and the user's Ctrl-C (a KeyboardInterrupt the target raises itself is
-    the target's; one that cannot be told apart is taken as the user's)."""
-    return isinstance(exc, KitSignal) or (isinstance(exc, KeyboardInterrupt)
+    control-flow signals, a call past its deadline (TargetHung: attn_spec.targets.deadline), and the
+    user's Ctrl-C (a KeyboardInterrupt the target raises itself is the target's; one that cannot be
+    told apart is taken as the user's)."""
+    return isinstance(exc, (KitSignal, TargetHung)) or (isinstance(exc, KeyboardInterrupt)
                                           and not getattr(exc, "attn_raised_by_target", False))
 
 
@@ -148,11 +151,12 @@ class StateGuard:
         self.changes: dict[str, tuple[str, str]] = {}
 
     @contextlib.contextmanager
-    def call(self, call: str):
+    def call(self, call: str, *, deadline: float = 1.0):
+        """The call ``call`` (as the user would write it), under ``deadline`` times a call's deadline."""
         before = tuple(read() for read in _READS)
         rng = torch.get_rng_state()
         try:
-            with _watching_ctrl_c():
+            with _watching_ctrl_c(), limit(call, deadline):  # past its deadline: TargetHung
                 yield
         finally:
             after = tuple(read() for read in _READS)

@@ -10,23 +10,13 @@ import os
 import site
 import sys
 import sysconfig
-import traceback
 from pathlib import Path
 
 from attn_spec.errors import TargetLoadError
 from attn_spec.targets.guard import passes_through
+from attn_spec.targets.tracebacks import user_traceback
 
 FORMAT_HINT = "A TARGET looks like path/to/file.py:name or package.module:name."
-
-
-def user_traceback(exc: BaseException) -> str:
-    """The traceback of ``exc`` without the kit's and importlib's own frames."""
-    te = traceback.TracebackException.from_exception(exc)
-    kit = str(Path(__file__).resolve().parent)
-    te.stack = traceback.StackSummary.from_list(
-        [f for f in te.stack if not f.filename.startswith(kit) and "importlib" not in f.filename
-         and "<frozen" not in f.filename])
-    return "".join(te.format()).rstrip()
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attn_spec.errors import Failure, NotDifferentiable, TargetRaised, Unsupported
+from attn_spec.targets.deadline import on_case
 
 MAX_ELEMENTS = 1 << 21  # a call with more input elements is kept without its tensors (not replayed)
 
@@ -132,7 +133,8 @@ def record(fn, target, case) -> tuple[list[Call], BaseException | None]:
     target.recorder = Recorder()
     raised = None
     try:
-        fn(target, case)
+        with on_case(case, lambda: f"{target.name}: replaying a failure on {case.summary()}"):  # each call's deadline
+            fn(target, case)
     except (Failure, Unsupported) as exc:
         raised = exc
     except Exception as exc:  # noqa: BLE001 - a bug of the kit's own: the evidence stops here
