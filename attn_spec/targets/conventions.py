@@ -113,6 +113,7 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
     if "layout" in cls.traits.keywords and layout is None:
         with capture() as output:
             target.detect_layout()  # two tiny calls, under the target's guard
+        target.state.verify("during the layout probe")
         if output.summary():
             target.output["layout probe"] = output.summary(verbose)
     return target
@@ -128,6 +129,7 @@ def load(spec: str, convention: str | None = None, *, name: str | None = None, r
     with capture() as output:
         with state.call(f"importing {spec}"):
             obj = load_target(spec, root=root)
+        state.verify("at import")
         target = make_target(obj, name or spec, convention, masks, inference_only=inference_only, state=state,
                              verbose=verbose, **options)
     if output.summary():

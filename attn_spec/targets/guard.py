@@ -30,6 +30,7 @@ import threading
 import torch
 
 from attn_spec.errors import KitSignal
+from attn_spec.targets.integrity import Snapshot
 
 _cuda, _cudnn, _mkldnn = torch.backends.cuda, torch.backends.cudnn, torch.backends.mkldnn
 
@@ -142,10 +143,22 @@ class StateGuard:
     """Restores the global state after each call into one target; ``changes`` says what it changed.
 
     ``changes``: name -> (what changed, the call that first changed it), in the order found.
+    ``tampered``: torch's functions and the kit's own objects the target replaced (attn_spec.targets.integrity),
+    name -> (what it did, when), found and undone by :meth:`verify`; a target that tampered does not conform.
     """
 
     def __init__(self):
         self.changes: dict[str, tuple[str, str]] = {}
+        self.tampered: dict[str, tuple[str, str]] = {}
+        self.kit = Snapshot()  # torch and the kit as they were when the kit got the target
+
+    def verify(self, when: str) -> list[str]:
+        """Undo whatever the target replaced in torch or the kit since the snapshot (``when``: "at import",
+        "during matches-reference", ...); returns the names it replaced now."""
+        found = self.kit.restore()
+        for name, change in found:
+            self.tampered.setdefault(name, (change, when))
+        return [name for name, _ in found]
 
     @contextlib.contextmanager
     def call(self, call: str):
