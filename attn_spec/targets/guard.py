@@ -30,7 +30,7 @@ import threading
 import torch
 
 from attn_spec.errors import KitSignal
-from attn_spec.targets.integrity import Snapshot
+from attn_spec.targets.integrity import Outputs, Snapshot
 
 _cuda, _cudnn, _mkldnn = torch.backends.cuda, torch.backends.cudnn, torch.backends.mkldnn
 
@@ -151,6 +151,7 @@ class StateGuard:
         self.changes: dict[str, tuple[str, str]] = {}
         self.tampered: dict[str, tuple[str, str]] = {}
         self.kit = Snapshot()  # torch and the kit as they were when the kit got the target
+        self.outputs = Outputs()  # the last output it returned, to compare after the next call
 
     def verify(self, when: str) -> list[str]:
         """Undo whatever the target replaced in torch or the kit since the snapshot (``when``: "at import",

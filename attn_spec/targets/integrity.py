@@ -127,3 +127,75 @@ class Snapshot:
             for owner, name, strict in _owners():
                 self.watched.setdefault(id(owner), _Watched(owner, name, strict))
         return found
+
+
+# ---------------------------------------------------------------- outputs
+
+KEPT = 2**26  # entries of an output kept whole to compare after the next call; a larger one: a strided sample
+
+
+def not_plain(out: torch.Tensor) -> str | None:
+    """What makes a returned tensor one whose values cannot be judged (grading's isolation refuses the same):
+    a subclass (its ``__eq__``, ``allclose`` or arithmetic may lie, its values be computed lazily), a nested or
+    sparse layout, complex values, the meta device. None for a plain dense real tensor."""
+    if type(out) is not torch.Tensor:
+        return f"a torch.Tensor subclass {type(out).__name__!s:.60}, not a plain torch.Tensor"
+    if out.is_nested or out.layout != torch.strided:
+        return f"a {'nested' if out.is_nested else out.layout} tensor, not a dense one"
+    if out.is_complex():
+        return f"a complex tensor ({out.dtype}); attention outputs are real"
+    if out.device.type == "meta":
+        return "a tensor on the meta device, which holds no values"
+    return None
+
+
+def _storage(t) -> int:
+    """Where ``t``'s storage starts (0: it has none to share: empty, or not a tensor)."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+        return 0
+    return t.untyped_storage().data_ptr()
+
+
+def _values(out: torch.Tensor) -> torch.Tensor:
+    """A copy of ``out``'s values as they are now (a strided sample of a very large one)."""
+    flat = out.detach().reshape(-1)
+    return (flat if flat.numel() <= KEPT else flat[:: flat.numel() // KEPT + 1]).clone()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise the same values, NaN matching NaN."""
+    same = a == b
+    return bool((same | (a.isnan() & b.isnan()) if a.is_floating_point() else same).all())
+
+
+class Outputs:
+    """The last output a target returned, its values read when it returned: an output is its own storage, not an
+    input's nor an earlier output's, and its values do not change after it is returned (:meth:`returned`)."""
+
+    def __init__(self):
+        self.last = None  # (the output, its values when returned, the call that returned it)
+
+    def returned(self, out: torch.Tensor, inputs: dict, call: str, fail) -> None:
+        """Check a plain output ``out`` of ``call`` (``inputs``: name -> tensor it was given); ``fail(measured,
+        what=, expected=, cause=)`` raises the failure. The previous output is compared now, after this call."""
+        last, self.last = self.last, None
+        where = _storage(out)
+        if last is not None:
+            before, values, earlier = last
+            now = _values(before)
+            if not _same(now, values):
+                fail(f"{int((now != values).sum())} of {now.numel()} values changed after it was returned",
+                     what=f"the output of an earlier call ({earlier})", expected="the values it returned",
+                     cause="the output was still being written after the call returned (work left running on a "
+                           "background thread or stream, a lazy result) or its buffer is reused by the next call")
+            if where and where == _storage(before):
+                fail("the same buffer as the output of the previous call", what="the output",
+                     expected="a new tensor each call",
+                     cause="the target returns one buffer every call and overwrites it: a caller holding the "
+                           "previous result sees it change")
+        for name, t in inputs.items():
+            if where and where == _storage(t):
+                fail(f"shares its storage with {name}", what="the output", expected="a tensor of its own",
+                     cause=f"the output is {name} itself or a view of it (written in place, or returned as it is): "
+                           f"the caller's {name} and the result are the same memory")
+        self.last = (out, _values(out), call)
