@@ -6,13 +6,18 @@ or during a call are put back and fail the ``integrity:untouched`` row."""
 from __future__ import annotations
 
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 import attn_spec
+from attn_spec.errors import Failure
 from attn_spec.report.results import TargetReport
+from attn_spec.targets.conventions import make_target
 from attn_spec.targets.integrity import Snapshot
+from gallery.core import seed_function
 
 RUN = dict(profile="quick", seed=20261203, only=["matches-reference"], diagnose=False)
 
@@ -98,3 +103,107 @@ def test_a_patch_made_during_a_call_fails_the_property_it_ran_in(tmp_path):
 def test_a_correct_target_has_no_integrity_row(tmp_path):
     report = _check(tmp_path, CORRECT)
     assert report.conforms and _integrity(report) is None
+
+
+# ---------------------------------------------------------------- fresh storage, outputs
+
+CACHES = {  # a result kept between calls, found by ...
+    "pointer": "key = (Q.data_ptr(), K.data_ptr(), V.data_ptr(), tuple(Q.shape), Q.dtype)",
+    "shape": "key = (tuple(Q.shape), tuple(K.shape), tuple(V.shape), Q.dtype, mask is None)",
+}
+
+
+@pytest.mark.parametrize("by", list(CACHES))
+def test_a_result_cached_by_address_or_shape_fails_at_the_default_profile(tmp_path, by):
+    """determinism's middle call gets the first call's own tensors with V changed in place: the cached result
+    comes back, and the cause names the cache."""
+    report = _check(tmp_path, CORRECT + f'''
+_cache = {{}}
+_correct = attention
+
+def attention(Q, K, V, mask=None):
+    {CACHES[by]}
+    if key not in _cache:
+        _cache[key] = _correct(Q, K, V, mask)
+    return _cache[key].clone()
+''', profile="default", only=["determinism"])
+    failed = next(p for p in report.properties if p.id == "determinism")
+    assert failed.status == "fail"
+    # a cache by shape ignores its inputs altogether: the informative check says so before the stale result
+    assert ("a cache keyed by the inputs' data pointer or shape" if by == "pointer"
+            else "the output does not depend on Q and K and V") in failed.cause, failed
+
+
+OUTPUTS = {  # a target whose output is wrong as an object -> words of its failure
+    "returns Q, overwritten": ("Q.copy_(_correct(Q.clone(), K, V, mask)) if Q.shape[-1] == V.shape[-1] else None\n"
+                               "    return Q if Q.shape[-1] == V.shape[-1] else _correct(Q, K, V, mask)",
+                               "shares its storage with Q"),
+    "one buffer every call": ("global _buffer\n    out = _correct(Q, K, V, mask)\n"
+                              "    if _buffer is None or _buffer.shape != out.shape or _buffer.dtype != out.dtype:\n"
+                              "        _buffer = torch.empty_like(out)\n"
+                              "    return _buffer.copy_(out)",
+                              "the same buffer as the output of an earlier call"),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTPUTS))
+def test_an_output_that_is_an_input_or_an_earlier_output_fails(tmp_path, name):
+    body, words = OUTPUTS[name]
+    report = _check(tmp_path, CORRECT + f'''
+_correct = attention
+_buffer = None
+
+def attention(Q, K, V, mask=None):
+    {body}
+''', only=["matches-reference", "determinism"])
+    assert not report.conforms
+    assert any(words in p.message for p in report.properties if p.status == "fail"), report.properties
+
+
+@pytest.mark.parametrize("name, words", [("lying_subclass", "a torch.Tensor subclass AlwaysRight"),
+                                         ("returns_meta", "a tensor on the meta device"),
+                                         ("returns_complex", "a complex tensor (torch.complex64)")])
+def test_check_refuses_the_outputs_grading_refuses(name, words):
+    """The grader's bad outputs (tests/submissions, test_grade.py) fail ``check`` too, in its own process."""
+    path = Path(__file__).parent / "submissions" / f"{name}.py"
+    report = attn_spec.check(f"{path}:attention", **RUN).targets[0]
+    failed = next(p for p in report.properties if p.id == "matches-reference")
+    assert failed.status == "fail" and words in failed.message and "plain dense torch.Tensor" in failed.message
+
+
+def test_an_output_filled_in_after_the_call_returns_fails_when_the_next_call_returns():
+    """A background thread writes the result after the call returned (here: when released, deterministically):
+    the values read when it returned are compared again when the next call returns."""
+    release, threads = threading.Event(), []
+
+    def attention(Q, K, V, mask=None):
+        out = torch.zeros(*Q.shape[:-1], V.shape[-1], dtype=Q.dtype)
+
+        def fill():
+            release.wait(5)
+            out.copy_(seed_function(Q, K, V, mask))
+        threads.append(threading.Thread(target=fill))
+        threads[-1].start()
+        return out
+
+    target = make_target(attention, "lazy")
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
+    target.attend(q, k, v)
+    release.set()
+    threads[0].join()
+    with pytest.raises(Failure) as caught:
+        target.attend(q.clone(), k.clone(), v.clone())
+    assert "values changed after it was returned" in caught.value.message
+    assert "background thread" in caught.value.cause
+
+
+def test_a_lazy_result_fails_the_check():
+    """The same target in a check: not conforming, the cause says the output changed after it was returned."""
+    def attention(Q, K, V, mask=None):
+        out = torch.zeros(*Q.shape[:-1], V.shape[-1], dtype=Q.dtype)
+        done = seed_function(Q, K, V, mask)  # computed now, written after the call returns
+        threading.Timer(0.002, lambda: out.copy_(done)).start()
+        return out
+
+    report = attn_spec.check(attention, **RUN).targets[0]
+    assert not report.conforms

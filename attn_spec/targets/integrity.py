@@ -25,8 +25,10 @@ those out.
 from __future__ import annotations
 
 import builtins
+import collections
 import sys
 import types
+import weakref
 
 import torch
 import torch.nn.functional
@@ -131,6 +133,7 @@ class Snapshot:
 
 # ---------------------------------------------------------------- outputs
 
+RECENT = 16  # outputs remembered (weakly: one still alive that a new output shares storage with is a reused buffer)
 KEPT = 2**26  # entries of an output kept whole to compare after the next call; a larger one: a strided sample
 
 
@@ -174,28 +177,37 @@ class Outputs:
 
     def __init__(self):
         self.last = None  # (the output, its values when returned, the call that returned it)
+        self.recent = collections.deque(maxlen=RECENT)  # weak references to the last outputs returned
+
+    def changed(self) -> str | None:
+        """How many of the last output's values changed since it was returned (None: none did, or no output)."""
+        if self.last is None:
+            return None
+        before, values, _ = self.last
+        now = _values(before)
+        return None if _same(now, values) else f"{int((now != values).sum())} of {now.numel()} values changed after it was returned"
 
     def returned(self, out: torch.Tensor, inputs: dict, call: str, fail) -> None:
         """Check a plain output ``out`` of ``call`` (``inputs``: name -> tensor it was given); ``fail(measured,
         what=, expected=, cause=)`` raises the failure. The previous output is compared now, after this call."""
-        last, self.last = self.last, None
+        changed, last, self.last = self.changed(), self.last, None
         where = _storage(out)
-        if last is not None:
-            before, values, earlier = last
-            now = _values(before)
-            if not _same(now, values):
-                fail(f"{int((now != values).sum())} of {now.numel()} values changed after it was returned",
-                     what=f"the output of an earlier call ({earlier})", expected="the values it returned",
-                     cause="the output was still being written after the call returned (work left running on a "
-                           "background thread or stream, a lazy result) or its buffer is reused by the next call")
-            if where and where == _storage(before):
-                fail("the same buffer as the output of the previous call", what="the output",
-                     expected="a new tensor each call",
-                     cause="the target returns one buffer every call and overwrites it: a caller holding the "
-                           "previous result sees it change")
+        if where and any(where == _storage(ref()) for ref in self.recent):
+            fail("the same buffer as the output of an earlier call", what="the output",
+                 expected="a new tensor each call",
+                 cause="the target keeps a buffer (one, or one per shape) and overwrites it every call: a caller "
+                       "holding an earlier result sees it change")
         for name, t in inputs.items():
             if where and where == _storage(t):
                 fail(f"shares its storage with {name}", what="the output", expected="a tensor of its own",
                      cause=f"the output is {name} itself or a view of it (written in place, or returned as it is): "
                            f"the caller's {name} and the result are the same memory")
+        if changed:
+            fail(changed, what=f"the output of an earlier call ({last[2]})", expected="the values it returned",
+                 cause=CHANGED)
         self.last = (out, _values(out), call)
+        self.recent.append(weakref.ref(out))
+
+
+CHANGED = ("the output was still being written after the call returned (work left running on a background thread "
+           "or stream, a lazy result) or its buffer is reused by a later call")
