@@ -120,6 +120,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     # In the catalog's order (the most bugs caught first), those that cost the target the fewest calls first
     examples = sorted((fit_case(case, fitted, dtypes, devices) for case in prop.examples_for(target.convention)),
                       key=target.calls_per_attend)
+    if prof.long:  # last: the costliest, tried once the small ones hold
+        examples += [fit_case(case, fitted, dtypes, devices) for case in prop.examples_for(target.convention, long=True)]
     for case in reversed(list(dict.fromkeys(examples))):
         test = example(case)(test)
     # The kit's shrinker steps through a dense case's fields; a serving case's (cache lengths, pages, segments) are
