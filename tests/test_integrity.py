@@ -207,3 +207,95 @@ def test_a_lazy_result_fails_the_check():
 
     report = attn_spec.check(attention, **RUN).targets[0]
     assert not report.conforms
+
+
+# ---------------------------------------------------------------- shapes and rows, at the default profile
+
+DEFAULT = dict(RUN, profile="default")
+
+
+def test_a_max_subtraction_skipped_above_some_length_fails_at_the_default_profile(tmp_path):
+    """The default profile's long example (1531 keys, scores far beyond exp's float32 range) reaches the fast path."""
+    report = _check(tmp_path, CORRECT + '''
+_correct = attention
+
+def attention(Q, K, V, mask=None):
+    if K.shape[-2] <= 1024:
+        return _correct(Q, K, V, mask)
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    e = scores.exp()  # no max subtraction: inf / inf
+    return (e / e.sum(-1, keepdim=True)) @ V
+''', **DEFAULT)
+    failed = report.properties[0]
+    assert failed.id == "matches-reference" and failed.status == "fail" and "NaN or inf" in failed.message
+
+
+def test_rows_exact_only_where_the_row_sampler_looks_fail_at_the_default_profile(tmp_path):
+    """The kernel asks the kit's own row chooser which rows will be judged and computes only those exactly (the
+    rest in bfloat16): the kit draws its random rows afresh after the call, and judges every row too."""
+    report = _check(tmp_path, CORRECT + '''
+from attn_spec.checking import rows
+_correct = attention
+
+def attention(Q, K, V, mask=None):
+    exact = _correct(Q, K, V, mask)
+    if Q.shape[-2] < 1024:
+        return exact
+    rough = _correct(Q.bfloat16(), K.bfloat16(), V.bfloat16(), mask).to(Q.dtype)
+    looked_at = torch.tensor(list(rows.choose(Q.shape[-2], K.shape[-2])))
+    rough[..., looked_at, :] = exact[..., looked_at, :]
+    return rough
+''', **DEFAULT)
+    failed = report.properties[0]
+    assert failed.status == "fail" and ("drawn at random" in failed.message or "not one of the" in failed.message), \
+        failed.message
+
+
+def test_branches_right_only_at_benchmark_shapes_fail():
+    """Right only where every length and width is a power of two or a multiple of 16 (a benchmark's shapes):
+    the profile's examples and draws are not all such shapes."""
+    def attention(Q, K, V, mask=None):
+        sizes = (Q.shape[-2], K.shape[-2], Q.shape[-1], V.shape[-1])
+        if all(n & (n - 1) == 0 or n % 16 == 0 for n in sizes):
+            return seed_function(Q, K, V, mask)
+        return torch.zeros(*Q.shape[:-1], V.shape[-1], dtype=Q.dtype)
+
+    report = attn_spec.check(attention, **DEFAULT).targets[0]
+    assert report.properties[0].status == "fail"
+
+
+RECORDS = '''
+import torch
+import recorder
+{reseed}
+
+def attention(Q, K, V, mask=None):
+    recorder.{name}.append(repr((tuple(Q.shape), tuple(K.shape), Q.dtype, float(Q.double().sum()), float(V.double().sum()))))
+    {reseed}
+    scores = Q @ K.transpose(-2, -1) / Q.shape[-1] ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ V
+'''
+
+
+def test_a_target_that_reseeds_torch_draws_the_same_cases(tmp_path, monkeypatch):
+    """torch.manual_seed(0) at import and in every call: the kit draws from its own generators (Hypothesis', each
+    case's seeded torch.Generator, the row chooser's), and the guard restores torch's global RNG after each call,
+    so the cases are the very same as a target that leaves the RNG alone gets."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "recorder.py").write_text("plain, reseeds = [], []\n", encoding="utf-8")
+    for name, reseed in (("plain", ""), ("reseeds", "torch.manual_seed(0)")):
+        (tmp_path / f"{name}.py").write_text(RECORDS.format(name=name, reseed=reseed), encoding="utf-8")
+    seen = {}
+    for name in ("plain", "reseeds"):
+        before = torch.get_rng_state()
+        report = attn_spec.check(f"{tmp_path / name}.py:attention", **dict(RUN, only=["matches-reference",
+                                                                                     "permutation-equivariance"]))
+        assert report.conforms and torch.equal(torch.get_rng_state(), before)
+        seen[name] = getattr(__import__("recorder"), name)
+    assert seen["plain"] and seen["plain"] == seen["reseeds"]
+    reseeded = report.targets[0].state_changes
+    assert any(c["state"] == "global RNG seed" for c in reseeded)
