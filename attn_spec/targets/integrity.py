@@ -9,8 +9,10 @@ keeps a :class:`Snapshot` of them, taken when the kit got the target (before its
 property and before the verdict: what changed is put back and remembered, and a target that changed
 anything does not conform (the ``integrity:untouched`` row says what it replaced and when).
 
-What is watched: every attribute of torch, torch.nn, torch.nn.functional, torch.linalg, torch.special,
-torch.testing and builtins (names added there are not: a lazy import adds some), every attribute of
+What is watched: every attribute of torch, torch.nn, torch.nn.functional, torch.functional, torch.linalg,
+torch.special, torch.testing, the torch._C modules their wrappers call (``_nn``, ``_linalg``, ``_special``) and
+builtins (names added there are not: a lazy import adds some; torch._C.TensorBase, where Tensor's methods live,
+cannot be changed from Python), every attribute of
 torch.Tensor (names added too: ``Tensor.__eq__ = ...`` overrides its base's), every attribute of every
 loaded attn_spec module, the whole dict of each class those modules define, and each property of the
 catalog. A full comparison costs about 0.1 ms (some 7,000 names, compared by identity), so it runs at
@@ -43,7 +45,8 @@ def _kit_module(name: str) -> bool:
 
 def _owners():
     """(owner, its name, whether a name added to it counts as a change) for everything watched."""
-    for module in (torch, torch.nn, torch.nn.functional, torch.linalg, torch.special, torch.testing, builtins):
+    for module in (torch, torch.nn, torch.nn.functional, torch.functional, torch.linalg, torch.special, torch.testing,
+                   torch._C._nn, torch._C._linalg, torch._C._special, builtins):  # torch._C's: what the Python wrappers call
         yield module, module.__name__, False
     yield torch.Tensor, "torch.Tensor", True
     for name, module in list(sys.modules.items()):
