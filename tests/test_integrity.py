@@ -135,8 +135,8 @@ def attention(Q, K, V, mask=None):
 
 
 OUTPUTS = {  # a target whose output is wrong as an object -> words of its failure
-    "returns Q, overwritten": ("Q.copy_(_correct(Q.clone(), K, V, mask)) if Q.shape[-1] == V.shape[-1] else None\n"
-                               "    return Q if Q.shape[-1] == V.shape[-1] else _correct(Q, K, V, mask)",
+    "returns Q, overwritten": ("out = _correct(Q, K, V, mask)\n"
+                               "    return Q.copy_(out) if out.shape == Q.shape and out.dtype == Q.dtype else out",
                                "shares its storage with Q"),
     "one buffer every call": ("global _buffer\n    out = _correct(Q, K, V, mask)\n"
                               "    if _buffer is None or _buffer.shape != out.shape or _buffer.dtype != out.dtype:\n"

@@ -268,17 +268,22 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
 
 def untrusted(result: PropertyResult, target: Target) -> None:
     """What the target replaced in torch or the kit while ``result``'s property ran is undone; a pass judged with
-    them replaced is not one, nor one whose last output changed after it was judged (attn_spec.targets.integrity)."""
+    them replaced is not one, nor one whose last output changed after it was judged or was an input's storage
+    (attn_spec.targets.integrity)."""
     replaced = target.state.verify(f"during {result.id}")
-    changed = target.state.outputs.changed()  # the last output, compared once more after the property's judging
+    outputs = target.state.outputs
+    changed = outputs.changed()  # the last output, compared once more after the property's judging
+    aliased, outputs.aliased = outputs.aliased, None
     if replaced and result.status == "pass":
         result.status = "fail"
         result.message = f"not trusted: the target replaced {_names(replaced)} while this property ran"
         result.cause = TAMPERED
     elif changed and result.status == "pass":
         result.status, result.message, result.cause = "fail", f"the output of its last call: {changed}", CHANGED
+    elif aliased and result.status == "pass":
+        result.status, (result.message, result.cause) = "fail", aliased
     if changed:
-        target.state.outputs.last = None  # said once
+        outputs.last = None  # said once
 
 
 TAMPERED = ("the target replaced functions of torch or of attn-spec in the kit's process: the reference, the "

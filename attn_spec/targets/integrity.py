@@ -176,11 +176,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class Outputs:
     """The last output a target returned, its values read when it returned: an output is its own storage, not an
-    input's nor an earlier output's, and its values do not change after it is returned (:meth:`returned`)."""
+    earlier output's, and its values do not change after it is returned (:meth:`returned` fails the call). An
+    output that is an input's storage is noted (``aliased``) and fails the property when it ends: its values are
+    judged meanwhile, so a target that returns V as it is is still diagnosed as doing so."""
 
     def __init__(self):
         self.last = None  # (the output, its values when returned, the call that returned it)
         self.recent = collections.deque(maxlen=RECENT)  # weak references to the last outputs returned
+        self.aliased = None  # (what, why) of the first output that was an input's storage, until the property ends
 
     def changed(self) -> str | None:
         """How many of the last output's values changed since it was returned (None: none did, or no output)."""
@@ -195,16 +198,17 @@ class Outputs:
         what=, expected=, cause=)`` raises the failure. The previous output is compared now, after this call."""
         changed, last, self.last = self.changed(), self.last, None
         where = _storage(out)
-        if where and any(where == _storage(ref()) for ref in self.recent):
+        given = [name for name, t in inputs.items() if where and where == _storage(t)]
+        if where and not given and any(where == _storage(ref()) for ref in self.recent):
             fail("the same buffer as the output of an earlier call", what="the output",
                  expected="a new tensor each call",
                  cause="the target keeps a buffer (one, or one per shape) and overwrites it every call: a caller "
                        "holding an earlier result sees it change")
-        for name, t in inputs.items():
-            if where and where == _storage(t):
-                fail(f"shares its storage with {name}", what="the output", expected="a tensor of its own",
-                     cause=f"the output is {name} itself or a view of it (written in place, or returned as it is): "
-                           f"the caller's {name} and the result are the same memory")
+        if given and self.aliased is None:  # its values are still judged, and diagnosed
+            name = given[0]
+            self.aliased = (f"the output of {call} shares its storage with {name}",
+                            f"the output is {name} itself or a view of it (written in place, or returned as it is): "
+                            f"the caller's {name} and the result are the same memory")
         if changed:
             fail(changed, what=f"the output of an earlier call ({last[2]})", expected="the values it returned",
                  cause=CHANGED)
