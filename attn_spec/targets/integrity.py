@@ -45,8 +45,9 @@ def _kit_module(name: str) -> bool:
 
 def _owners():
     """(owner, its name, whether a name added to it counts as a change) for everything watched."""
+    torch_c = (torch._C._nn, torch._C._linalg, torch._C._special)  # what torch's Python wrappers call
     for module in (torch, torch.nn, torch.nn.functional, torch.functional, torch.linalg, torch.special, torch.testing,
-                   torch._C._nn, torch._C._linalg, torch._C._special, builtins):  # torch._C's: what the Python wrappers call
+                   *torch_c, builtins):
         yield module, module.__name__, False
     yield torch.Tensor, "torch.Tensor", True
     for name, module in list(sys.modules.items()):
@@ -181,17 +182,19 @@ class Outputs:
     judged meanwhile, so a target that returns V as it is is still diagnosed as doing so."""
 
     def __init__(self):
-        self.last = None  # (the output, its values when returned, the call that returned it)
+        self.last = None  # (the output, its values when returned (None: an input's storage), the call that returned it)
         self.recent = collections.deque(maxlen=RECENT)  # weak references to the last outputs returned
         self.aliased = None  # (what, why) of the first output that was an input's storage, until the property ends
 
     def changed(self) -> str | None:
         """How many of the last output's values changed since it was returned (None: none did, or no output)."""
-        if self.last is None:
+        if self.last is None or self.last[1] is None:  # none, or an input's storage: that is said instead
             return None
         before, values, _ = self.last
         now = _values(before)
-        return None if _same(now, values) else f"{int((now != values).sum())} of {now.numel()} values changed after it was returned"
+        if _same(now, values):
+            return None
+        return f"{int((now != values).sum())} of {now.numel()} values changed after it was returned"
 
     def returned(self, out: torch.Tensor, inputs: dict, call: str, fail) -> None:
         """Check a plain output ``out`` of ``call`` (``inputs``: name -> tensor it was given); ``fail(measured,
@@ -212,7 +215,7 @@ class Outputs:
         if changed:
             fail(changed, what=f"the output of an earlier call ({last[2]})", expected="the values it returned",
                  cause=CHANGED)
-        self.last = (out, _values(out), call)
+        self.last = (out, None if given else _values(out), call)
         self.recent.append(weakref.ref(out))
 
 
