@@ -51,21 +51,39 @@ def _identical(a, b) -> bool:
       lesson=Lesson(unicode="attn(X) ≡ attn(X)   bitwise, across calls",
                     latex=r"\mathrm{attn}(X) \equiv \mathrm{attn}(X)\ \text{(bitwise)}",
                     why="Inference must be reproducible for evaluation, caching and debugging.",
-                    check="Calls the target twice on the same inputs, with a call on other inputs in between, and compares bitwise.",
+                    check="Calls the target twice on the same inputs, with a call in between on the first call's own "
+                          "tensors with V changed in place (V + 1), and compares bitwise.",
                     example="output"))
 def determinism(target, case):
-    """attn(X) == attn(X) bitwise, for two calls with a call on other inputs in between.
+    """attn(X) == attn(X) bitwise, for two calls with a call on other inputs in between; that call gets the first
+    call's own tensors, V changed in place (V + 1: the same storage, the same address), and must not return the
+    first call's result.
 
     Why: inference must be reproducible (evaluation, caching, debugging), and a checked
     property that holds only by chance is worthless. Modules are called in eval() mode.
     Catches: dropout left on at inference (F.dropout defaults to training=True), random
-    tie-breaking noise, state carried between calls (a KV cache left on, a reused buffer).
+    tie-breaking noise, state carried between calls (a KV cache left on, a reused buffer), and
+    results cached by the inputs' data pointer or shape (every other call gets fresh storage, which
+    the allocator may place where an earlier call's inputs were: there such a cache passes by chance).
     """
     require_responsive(target, case)
     if isinstance(case, MhaCase):
         case = cross_or_self(target, case)
-    first = _output(target, case)
-    _output(target, case.replace(seed=case.seed + 1))  # other inputs in between: no state may carry over
+        x_q, x_kv, weights, mask = case.tensors()
+        inputs, changed, run = (x_q, x_kv, weights, case.n_heads, mask), x_kv, target.multihead
+    else:
+        inputs = case.tensors()
+        changed, run = inputs[2], target.attend
+    first = run(*inputs)
+    changed.add_(1)  # other inputs in between, in the same tensors: every output row changes (out + 1 for attention)
+    between = run(*inputs)
+    if _identical(first, between):
+        fail("bitwise the result of the call before it", what="the output after V was changed in place",
+             expected="a new result (V + 1 adds 1 to every output row)",
+             call=f"{_call_name(case)}, then again after V.add_(1)", got=between, expected_tensor=first,
+             labels=("the output after V.add_(1)", "the output before"),
+             cause="returned the result of an earlier call for inputs at the same address: a cache keyed by the "
+                   "inputs' data pointer or shape?")
     second = _output(target, case)
     if not _identical(first, second):
         differ = (first != second).sum().item()

@@ -56,6 +56,7 @@ class Property:
     # A multi-head property's projections: "drawn" (random W_Q..W_O, shown in a counterexample) or "identity"
     # (a probe reading one head through projections that select Q, K and V; the module header says which).
     projections: str = "drawn"
+    long_examples: tuple = ()  # explicit cases tried last, in the profiles that check long cases (Profile.long)
 
     @property
     def conventions(self) -> tuple[str, ...]:
@@ -88,10 +89,10 @@ class Property:
             options = {key: val for key, val in options.items() if key in ("masks", "max_length")}
         return make(profile, dtypes=wanted or dtypes or tuple(strategies.DTYPES), devices=devices, **options)
 
-    def examples_for(self, convention: str):
-        """The explicit examples that fit this convention's case type."""
+    def examples_for(self, convention: str, *, long: bool = False):
+        """The explicit examples (``long``: the long examples instead) that fit this convention's case type."""
         kind = MhaCase if self.uses_multihead(convention) else Case
-        return [ex for ex in self.examples if isinstance(ex, kind)]
+        return [ex for ex in (self.long_examples if long else self.examples) if isinstance(ex, kind)]
 
     def __call__(self, target, case):
         """Check one case; ``target`` is an adapter or the user's own function/module (wrapped here)."""
@@ -100,7 +101,7 @@ class Property:
 
 def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
          multihead=False, examples=(), after=(), lesson: Lesson | None = None, at_scale=None,
-         projections="drawn"):
+         projections="drawn", long_examples=()):
     """Register ``fn`` under ``id`` (stable, kebab-case: a public contract). ``conventions``: those it applies to
     (default: every attention convention, attn_spec.vocabulary)."""
 
@@ -108,7 +109,8 @@ def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
         if id in REGISTRY:
             raise ValueError(f"property id {id!r} is registered twice")  # sanity check
         entry = REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
-                                        multihead, tuple(examples), tuple(after), lesson, at_scale, projections)
+                                        multihead, tuple(examples), tuple(after), lesson, at_scale, projections,
+                                        tuple(long_examples))
 
         @functools.wraps(fn)
         def check_case(target, case):  # properties.rows_sum_to_one(my_attention, case) works too

@@ -21,7 +21,9 @@ chunk, ``chunked.fits``) a target's output is judged in two stages:
 The rows are chosen where kernel bugs live (:func:`choose`): the first and last rows, rows at and
 around tile boundaries (multiples of 16, 32, 64, 128 and their neighbours), the last partial tile,
 rows whose causal edge (last key allowed) is at a key-tile boundary in either alignment, powers of
-two and their neighbours, and a fixed-seed random sample. A failure names the row and why it was
+two and their neighbours, and a random sample of the others, drawn by the kit's own generator (seeded from the
+OS) each time rows are chosen, after the target's call returned: a kernel exact only on the rows it expects to
+be looked at is judged where it did not expect. A failure names the row and why it was
 chosen. A short case is judged as before: the whole float64 reference.
 
 A case's reference is computed once and shared by the properties that judge it (:func:`reference`
@@ -30,6 +32,7 @@ keeps a per-case cache, by exact input values, bounded in bytes).
 from __future__ import annotations
 
 import math
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -43,7 +46,9 @@ from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, budget, by_rows, fl
 
 TILES = (16, 32, 64, 128)
 RANDOM_ROWS = 24
-RANDOM_SEED = 20261201
+# The random rows' generator: the kit's own, seeded from the OS, drawn from each time rows are chosen (after the
+# target's call returned): a target cannot reseed it, and cannot learn which rows will be judged by calling choose
+_PRIVATE = torch.Generator().manual_seed(secrets.randbits(63))
 FUSED = "torch's fused attention in the same dtype"  # what every row of a long case is compared with
 CACHE_BYTES = {"cpu": 2**30, "cuda": 2**31}  # what the cache may hold per device (inputs, outputs, rows)
 
@@ -80,8 +85,10 @@ def choose(n_q: int, n_kv: int) -> dict[int, str]:
         for row in (power - 1, power):
             add(row, f"at a power of two ({power})")
         power *= 2
-    gen = torch.Generator().manual_seed(RANDOM_SEED ^ n_q ^ (n_kv << 20))
-    for row in torch.randperm(n_q, generator=gen)[:RANDOM_ROWS].tolist():
+    rest = torch.ones(n_q, dtype=torch.bool)
+    rest[list(rows)] = False
+    rest = rest.nonzero().squeeze(1)  # the rows not chosen above
+    for row in rest[torch.randperm(len(rest), generator=_PRIVATE)[:RANDOM_ROWS]].tolist():
         add(row, "drawn at random")
     return dict(sorted(rows.items()))
 
@@ -92,8 +99,8 @@ def rule(n_q: int, n_kv: int, batch: int = 1) -> str:
     where = f" in each of the {batch} batch elements x heads" if batch > 1 else ""
     return (f"rows judged exactly: {k} of {n_q}{where}, chosen as the first and last rows, rows at and next to tile "
             f"boundaries ({', '.join(map(str, TILES))}), the last partial tile, rows whose causal edge is at a key "
-            f"tile boundary, powers of two, and {RANDOM_ROWS} at random (seed {RANDOM_SEED}); every row is also "
-            f"judged against {FUSED}")
+            f"tile boundary, powers of two, and {RANDOM_ROWS} others drawn afresh for each call, after it returned, "
+            f"by a generator of the kit's own; every row is also judged against {FUSED}")
 
 
 def rules(rungs) -> dict[str, str]:

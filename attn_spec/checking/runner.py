@@ -33,6 +33,7 @@ from attn_spec.report import PropertyResult, TargetReport
 from attn_spec.checking.shapes import fixed_cases
 from attn_spec.checking.shrink import shrink
 from attn_spec.checking.strategies import get_profile
+from attn_spec.targets.integrity import CHANGED
 from attn_spec.targets.record import differs, record
 
 
@@ -134,6 +135,8 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     # In the catalog's order (the most bugs caught first), those that cost the target the fewest calls first
     examples = sorted((fit_case(case, fitted, dtypes, devices) for case in prop.examples_for(target.convention)),
                       key=target.calls_per_attend)
+    if prof.long:  # last: the costliest, tried once the small ones hold
+        examples += [fit_case(case, fitted, dtypes, devices) for case in prop.examples_for(target.convention, long=True)]
     for case in reversed(list(dict.fromkeys(examples))):
         test = example(case)(test)
     # The kit's shrinker steps through a dense case's fields; a serving case's (cache lengths, pages, segments) are
@@ -173,6 +176,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
         result.status = "error"
         result.message = f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.seconds = time.perf_counter() - start
+    untrusted(result, target)
     result.output = output and output.summary(verbose)
     if result.status == "pass" and not supported[0]:  # it ran on no input: not a pass
         result.status = "skip"
@@ -268,6 +272,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
                                   f"internal error in attn-spec: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 break
     result.seconds = time.perf_counter() - start
+    untrusted(result, target)
     result.output = output.summary(verbose)
     if result.status == "pass":
         checked = result.examples - len(unsupported) - len(uninformative)
@@ -277,6 +282,49 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
         elif skipped:
             result.message = "; ".join([f"checked on {checked} cases at fixed shapes"] + [f"skipped: {r}" for r in skipped])
     return result
+
+
+def untrusted(result: PropertyResult, target: Target) -> None:
+    """What the target replaced in torch or the kit while ``result``'s property ran is undone; a pass judged with
+    them replaced is not one, nor one whose last output changed after it was judged or was an input's storage
+    (attn_spec.targets.integrity)."""
+    replaced = target.state.verify(f"during {result.id}")
+    outputs = target.state.outputs
+    changed = outputs.changed()  # the last output, compared once more after the property's judging
+    aliased, outputs.aliased = outputs.aliased, None
+    if replaced and result.status == "pass":
+        result.status = "fail"
+        result.message = f"not trusted: the target replaced {_names(replaced)} while this property ran"
+        result.cause = TAMPERED
+    elif changed and result.status == "pass":
+        result.status, result.message, result.cause = "fail", f"the output of its last call: {changed}", CHANGED
+    elif aliased and result.status == "pass":
+        result.status, (result.message, result.cause) = "fail", aliased
+    if changed:
+        outputs.last = None  # said once
+
+
+TAMPERED = ("the target replaced functions of torch or of attn-spec in the kit's process: the reference, the "
+            "budgets and the verdict would be computed with them (the kit put them back)")
+INTEGRITY = "integrity:untouched"  # the row that says what a target replaced in torch or the kit
+
+
+def _names(names, limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def integrity(target: Target) -> list[PropertyResult]:
+    """The ``integrity:untouched`` row, failed, naming what the target replaced in torch or the kit and when; none
+    when it replaced nothing (a row only where something is wrong, as a requirement's)."""
+    if not target.state.tampered:
+        return []
+    when: dict = {}
+    for name, (change, moment) in target.state.tampered.items():
+        when.setdefault((change, moment), []).append(name)
+    message = "; ".join(f"the target {change} {_names(names)} {moment}" for (change, moment), names in when.items())
+    return [PropertyResult(INTEGRITY, "fail", message, cause=TAMPERED,
+                           statement="the target leaves torch's functions and the kit's own objects as they are")]
 
 
 def _calls_to(exc: BaseException, target: Target) -> int:
@@ -377,6 +425,7 @@ def _probe_header(report: TargetReport, target: Target, dtypes, devices, seed: i
             else:
                 report.capabilities, report.lacks = found
                 report.envelope = envelope(target.supported)
+    target.state.verify("during the header's probes")
     report.output.update(target.output)
     if output.summary():
         report.output["header probes"] = output.summary(verbose)
@@ -458,4 +507,6 @@ def finish(report: TargetReport, target: Target) -> TargetReport:
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()
+    target.state.verify("before the verdict")
+    report.properties = [r for r in report.properties if r.id != INTEGRITY] + integrity(target)
     return report

@@ -28,6 +28,11 @@ varlen cases draw H = g * H_kv query heads over H_kv = 1 or 2 key/value heads, g
 (page 1, a non-divisor, a page longer than the sequence; num_splits 1, 2, 3, 0; zero-length segments) are each
 property's explicit examples.
 
+Default and thorough also check each property's long examples (``Property.long_examples``): matches-reference's
+is one case of 1531 queries and keys, d = 64, float32, scores far beyond exp's range (a kernel that skips the max
+subtraction above some length overflows there) and judged on rows the kit draws after the call (checking.rows).
+None of the lengths a profile draws or its examples use is all powers of two or all multiples of a tile.
+
 A fourth profile, ``scale``, draws nothing: a check runs a fixed ladder of shapes
 (``attn_spec.checking.shapes.ladder``: lengths 1k, 4k, 16k on the CPU, up to 128k on a GPU, head
 dims 64, 128, 256), float32 on the CPU, bfloat16 and float16 on a GPU, with the properties that
@@ -61,14 +66,15 @@ class Profile:
     # Who shrinks a failure of a drawn case: Hypothesis (hundreds of candidates, the smallest case it can find), or
     # the kit's greedy shrinker that explicit examples get (attn_spec.checking.shrink: at most TRIES candidates)
     shrinker: str = "hypothesis"
+    long: bool = False  # also each property's long examples (matches-reference: ~1.5k keys, scores that overflow exp)
 
 
 PROFILES = {
     "quick": Profile("quick", 6, 6, (), (), 2, (1.0, 3.0), max_splits=3, shrinker="kit"),
     "default": Profile("default", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), pages=(16,),
-                       max_splits=4),
+                       max_splits=4, long=True),
     "thorough": Profile("thorough", 120, 12, (17, 64, 113, 130, 257, 512), (32, 59, 64, 111, 128, 256),
-                        3, (0.1, 1.0, 3.0, 8.0), pages=(16, 64, 256), max_splits=8),
+                        3, (0.1, 1.0, 3.0, 8.0), pages=(16, 64, 256), max_splits=8, long=True),
     # Draws like default when asked to (strategies.cases("scale")), but a check runs the ladder.
     "scale": Profile("scale", 15, 8, (17, 64, 113, 130), (32, 59, 128, 256), 2, (1.0, 3.0, 8.0), pages=(16,),
                      max_splits=4, ladder=True),

@@ -16,6 +16,7 @@ from attn_spec.errors import KitUsageError, NotDifferentiable, TargetRaised, Uns
 from attn_spec.failures import fail, message
 from attn_spec.targets.detached import how_detached
 from attn_spec.targets.guard import StateGuard, passes_through
+from attn_spec.targets.integrity import not_plain
 from attn_spec.targets.loading import raised_on_purpose, user_traceback
 
 
@@ -93,16 +94,32 @@ def type_words(out) -> tuple[str, str]:
                                   "the convention returns a torch.Tensor"))
 
 
-def check_output(out, shape: tuple, call: str) -> torch.Tensor:
-    """The output must be a tensor of the contract's shape."""
+def check_output(out, shape: tuple, call: str, *, inputs: dict | None = None, state: StateGuard | None = None
+                 ) -> torch.Tensor:
+    """The output must be a plain dense tensor (attn_spec.targets.integrity.not_plain) of the contract's shape;
+    with the target's ``state``, also its own storage, not that of ``inputs`` (name -> tensor) or of the previous
+    output, whose values must not have changed since it was returned (integrity.Outputs)."""
     if not isinstance(out, torch.Tensor):
         words, why = type_words(out)
         fail(words, what="the output", expected=f"a torch.Tensor of shape {list(shape)}",
              call=call, cause=f"returns {words}: return a torch.Tensor ({why})")
+    returned(out, call, inputs, state)
     if tuple(out.shape) != tuple(shape):
         fail(f"{list(out.shape)}", what="the output's shape", expected=f"{list(shape)}", call=call,
              cause="the output must be [..., n_q, d_v]: one row per query, as wide as V")
     return out
+
+
+def returned(out: torch.Tensor, call: str, inputs: dict | None = None, state: StateGuard | None = None) -> None:
+    """A returned tensor's integrity: plain and dense; with ``state``, not aliased and not changed since (above)."""
+    problem = not_plain(out)
+    if problem:
+        fail(problem, what="the output", expected="a plain dense torch.Tensor", call=call,
+             cause="the kit judges the values a call returns: return one plain tensor (a subclass can lie about its "
+                   "values or compute them later)")
+    if state is not None:
+        state.outputs.returned(out, inputs or {}, call,
+                               lambda measured, **words: fail(measured, call=call, **words))
 
 
 OPTIONS = {"window": "sliding window", "softcap": "softcap", "dropout": "dropout", "alibi": "alibi_slopes"}  # attend()'s options, in words

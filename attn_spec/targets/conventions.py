@@ -114,6 +114,7 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
     if "layout" in cls.traits.keywords and layout is None:
         with capture() as output:
             target.detect_layout()  # two tiny calls, under the target's guard
+        target.state.verify("during the layout probe")
         if output.summary():
             target.output["layout probe"] = output.summary(verbose)
     return target
@@ -135,6 +136,7 @@ def load(spec: str, convention: str | None = None, *, name: str | None = None, r
             raise TargetLoadError(f"Cannot load target {spec!r}: importing it did not finish within "
                                   f"{words(exc.seconds)} (--call-timeout sets the deadline: {IMPORT_FACTOR} "
                                   f"times a call's)\n\n{exc.user_traceback}") from None
+        state.verify("at import")
         target = make_target(obj, name or spec, convention, masks, inference_only=inference_only, state=state,
                              verbose=verbose, **options)
     if output.summary():

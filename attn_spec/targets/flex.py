@@ -111,5 +111,6 @@ class FlexTarget(Target):
         with warnings.catch_warnings(), self._stance(device):
             warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": eager is what we check
             out = _call(lambda *a: self.obj(*a, **kwargs), (h.q, h.k, h.v), call, self.state)
-        check_output(out, (h.batch, h.heads, h.q.shape[-2], h.v.shape[-1]), call)
+        check_output(out, (h.batch, h.heads, h.q.shape[-2], h.v.shape[-1]), call,
+                     inputs={"query": h.q, "key": h.k, "value": h.v}, state=self.state)
         return h.restore(out)

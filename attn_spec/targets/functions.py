@@ -2,10 +2,13 @@
 signature (sdpa), in the [B, H, S, D] or [B, S, H, D] layout (layouts.py)."""
 from __future__ import annotations
 
+import torch
+
 from attn_spec.errors import KitUsageError, Unsupported
 from attn_spec.vocabulary import Traits
 from attn_spec.targets import layouts
-from attn_spec.targets.base import MASK_FORMS, Target, _call, check_output, parameter_names, positional_capacity
+from attn_spec.targets.base import (MASK_FORMS, Target, _call, check_output, parameter_names, positional_capacity,
+                                    returned)
 from attn_spec.targets.layouts import _grouped, attend_shape
 
 
@@ -28,13 +31,17 @@ class LayoutTarget(Target):
         tensors; in bshd, the [B, H, S, D] tensors whose transposes the kernel gets, and its output read back
         as [B, H, S_q, D_v] (a mistake model's frame: heads on dim -3, whatever the kernel returned)."""
         extra = {key: a for key, a in arguments.items() if a is not None}
+        given = {"Q": q, "K": k, "V": v, "mask": mask}
         if self.layout == "bhsd":
             inputs = {"q": q, "k": k, "v": v, "mask": mask, **extra}
             return check_output(self._observe("attend", inputs, lambda: fn(q, k, v, mask), call), attend_shape(q, k, v),
-                                call)
+                                call, inputs=given, state=self.state)
         h = layouts.Heads(q, k, v, mask)
         inputs = {"q": h.q, "k": h.k, "v": h.v, "mask": h.mask, **extra}
-        return layouts.restore_bshd(self._observe("attend", inputs, lambda: layouts.call_bshd(fn, h), call), h, call)
+        out = self._observe("attend", inputs, lambda: layouts.call_bshd(fn, h), call)
+        if isinstance(out, torch.Tensor):
+            returned(out, call, given, self.state)
+        return layouts.restore_bshd(out, h, call)
 
     def _probe_call(self, q, k, v):
         return _call(self.obj, (q, k, v), "attention(Q, K, V) (a layout probe)", self.state)

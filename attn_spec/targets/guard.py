@@ -32,6 +32,7 @@ import torch
 
 from attn_spec.errors import KitSignal, TargetHung
 from attn_spec.targets.deadline import limit
+from attn_spec.targets.integrity import Outputs, Snapshot
 
 _cuda, _cudnn, _mkldnn = torch.backends.cuda, torch.backends.cudnn, torch.backends.mkldnn
 
@@ -145,10 +146,23 @@ class StateGuard:
     """Restores the global state after each call into one target; ``changes`` says what it changed.
 
     ``changes``: name -> (what changed, the call that first changed it), in the order found.
+    ``tampered``: torch's functions and the kit's own objects the target replaced (attn_spec.targets.integrity),
+    name -> (what it did, when), found and undone by :meth:`verify`; a target that tampered does not conform.
     """
 
     def __init__(self):
         self.changes: dict[str, tuple[str, str]] = {}
+        self.tampered: dict[str, tuple[str, str]] = {}
+        self.kit = Snapshot()  # torch and the kit as they were when the kit got the target
+        self.outputs = Outputs()  # the last output it returned, to compare after the next call
+
+    def verify(self, when: str) -> list[str]:
+        """Undo whatever the target replaced in torch or the kit since the snapshot (``when``: "at import",
+        "during matches-reference", ...); returns the names it replaced now."""
+        found = self.kit.restore()
+        for name, change in found:
+            self.tampered.setdefault(name, (change, when))
+        return [name for name, _ in found]
 
     @contextlib.contextmanager
     def call(self, call: str, *, deadline: float = 1.0):

@@ -41,7 +41,7 @@ import torch
 from attn_spec import reference
 from attn_spec.failures import fail
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.targets.base import MASK_FORMS, Target, _call, parameter_names
+from attn_spec.targets.base import MASK_FORMS, Target, _call, parameter_names, returned
 from attn_spec.targets.hf_module import HfModule, MissingAttribute, config_groups, parse_module_attrs, read_config
 from attn_spec.vocabulary import Traits
 from attn_spec.targets.layouts import Heads
@@ -220,6 +220,7 @@ class HfTarget(Target):
                  call=call, cause="an HF attention function returns a tuple: the output [B, S_q, H, D_v] and the "
                                   "weights or None")
         out, expected = result[0], h.bshd_shape()
+        returned(out, call, {"query": h.q, "key": h.k, "value": h.v, "attention_mask": h.mask}, self.state)
         if tuple(out.shape) != expected:
             fail(f"{list(out.shape)}", what="attn_output's shape", expected=f"[B, S_q, H, D_v] = {list(expected)}",
                  call=call, cause="HF's attn_output is [B, S_q, H, D_v]: transpose(1, 2) the [B, H, S_q, D_v] result")

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from attn_spec.targets.integrity import not_plain
 from attn_spec.failures import fail
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 
@@ -125,7 +126,8 @@ def detect(call, names) -> tuple[str, str]:
             out = call(q, k, v)
         except Exception:  # noqa: BLE001 - a probe: any failure means "not this layout"
             return False
-        return isinstance(out, torch.Tensor) and tuple(out.shape) == expected and bool(torch.isfinite(out).all())
+        return (isinstance(out, torch.Tensor) and not_plain(out) is None and tuple(out.shape) == expected
+                and bool(torch.isfinite(out).all()))
 
     flash = [n for n in FLASH_NAMES if n in (names or ())]
     if flash:

@@ -97,7 +97,8 @@ class ModuleTarget(Target):
                             lambda: _call(lambda *a: self.adapter.forward(module, *a), (x_q, x_kv, mask), call,
                                           self.state),
                             call, state_key=(x_q.shape[-1], n_heads, x_q.dtype, str(x_q.device)))
-        return check_output(out, (x_q.shape[0], x_q.shape[-1]), call)
+        return check_output(out, (x_q.shape[0], x_q.shape[-1]), call, inputs={"x_q": x_q, "x_kv": x_kv, "mask": mask},
+                            state=self.state)
 
     def _attend(self, q, k, v, mask, *, scale=None, is_causal=False):
         """Plain attention through the module: one head, projections that select Q, K and V.

@@ -34,6 +34,7 @@ from attn_spec.errors import Failure, KitSignal, TargetRaised, Unsupported
 from attn_spec.grading.isolation import diagnosis, wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
+from attn_spec.targets.integrity import not_plain
 from attn_spec.targets.loading import user_traceback
 
 METHODS = ("attend", "multihead", "vjp")  # what the grader may call on a target
@@ -47,15 +48,11 @@ class BadOutput(KitSignal):
 
 def _plain(out, call: str):
     """``out`` if it is a plain tensor with values the grader can judge; else BadOutput saying what it is."""
-    if type(out) is not torch.Tensor:
-        kind = "a torch.Tensor subclass " if isinstance(out, torch.Tensor) else ""
-        raise BadOutput(f"{call} returned {kind}{type(out).__name__!s:.60}, not a plain torch.Tensor")
-    if out.is_nested or out.layout != torch.strided:
-        raise BadOutput(f"{call} returned a {'nested' if out.is_nested else out.layout} tensor, not a dense one")
-    if out.is_complex():
-        raise BadOutput(f"{call} returned a complex tensor ({out.dtype}); attention outputs are real")
-    if out.device.type == "meta":
-        raise BadOutput(f"{call} returned a tensor on the meta device, which holds no values")
+    if not isinstance(out, torch.Tensor):
+        raise BadOutput(f"{call} returned {type(out).__name__!s:.60}, not a plain torch.Tensor")
+    problem = not_plain(out)
+    if problem:
+        raise BadOutput(f"{call} returned {problem}")
     if out.dtype not in wire.WIRE_DTYPES.values():
         raise BadOutput(f"{call} returned a {out.dtype} tensor; expected one of the input's floating dtypes")
     return out
