@@ -29,7 +29,7 @@ import torch
 from attn_spec.targets.conventions import FunctionTarget, ModuleTarget
 from attn_spec.targets.module_adapters import SeedAdapter
 from attn_spec.errors import Failure, KitSignal, TargetRaised, Unsupported
-from attn_spec.grading.isolation import diagnosis, wire
+from attn_spec.grading.isolation import diagnosis, hidden, wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
 from attn_spec.targets.loading import user_traceback
@@ -60,18 +60,27 @@ def _plain(out, call: str):
 
 
 def _checked_function(fn, name: str):
-    """The student's function, its output checked before the adapter sees it (signature kept)."""
+    """The student's function, called on the caller thread (attn_spec.grading.isolation.hidden), its output
+    checked before the adapter sees it (signature kept)."""
     @functools.wraps(fn)
     def checked(*args):
-        return _plain(fn(*args), f"{name}(...)")
+        return _plain(hidden.call(fn, *args), f"{name}(...)")
     return checked
 
 
 def _checked_class(cls, name: str):
-    """Builds the student's module and checks every forward's output before the adapter sees it."""
+    """Builds the student's module and runs every forward on the caller thread (attn_spec.grading.isolation.hidden),
+    checking its output before the adapter sees it."""
     def construct(*args):
-        module = cls(*args)
+        module = hidden.call(cls, *args)
         if isinstance(module, torch.nn.Module):
+            forward = module.forward
+
+            @functools.wraps(forward)
+            def unseen_forward(*inputs, **kwargs):
+                return hidden.call(forward, *inputs, **kwargs)
+
+            module.forward = unseen_forward
             module.register_forward_hook(lambda _m, _inputs, out: _plain(out, f"{name}.forward(...)"))
         return module
     construct.__name__ = name
@@ -260,10 +269,11 @@ def _load(config: dict) -> dict:
     sys.path.insert(0, scratch)
     sys.dont_write_bytecode = True
     try:
-        spec = importlib.util.spec_from_file_location("submission", os.path.join(scratch, entry))
+        name = config.get("module", "submission")  # check --isolate: the file's own stem
+        spec = importlib.util.spec_from_file_location(name, os.path.join(scratch, entry))
         module = importlib.util.module_from_spec(spec)
-        sys.modules["submission"] = module
-        spec.loader.exec_module(module)
+        sys.modules[name] = module
+        hidden.call(spec.loader.exec_module, module)  # its import-time code sees no kit frame either
     except SyntaxError as exc:
         return {"ok": False, "outcome": "syntax-error", "line": exc.lineno, "file": os.path.basename(exc.filename or entry),
                 "message": f"{exc.msg}"[:TEXT_LIMIT], "traceback": user_traceback(exc)[-TEXT_LIMIT:]}
@@ -358,6 +368,7 @@ def serve(chan_fd: int, out_fd: int, hits_fd: int, config: dict) -> None:
     try:
         names = arm_tripwires(config["forbidden"])  # already armed in the zygote: no work here
         _HITS[0] = hits_fd
+        hidden.start()  # before confine: no thread may be started after it
         sandbox = confine(config, out_fd)
     except Exception as exc:  # noqa: BLE001 - the sandbox itself failed: the grader's problem, not the student's
         chan.send({"stage": "sandbox-error", "message": f"{type(exc).__name__}: {exc}"[:TEXT_LIMIT]})
