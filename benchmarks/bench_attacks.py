@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # every process it starts: one intra-op thread (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from gallery.attacks import ATTACKS, HONEST, KERNELS  # noqa: E402
