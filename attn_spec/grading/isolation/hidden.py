@@ -8,7 +8,9 @@ child, every call into the submission (its function, its module's constructor an
 - the caller thread's stack holds threading's bootstrap, one frame of code compiled from a string (file
   ``<attention call>``, module ``__call__``) and the submission's own frames: no frame of the kit;
 - for the duration of the call, the kit's modules and the packages only the kit brought (:data:`HIDDEN`)
-  are taken out of ``sys.modules`` (and put back after it; the kit's own code holds them by reference).
+  are taken out of ``sys.modules`` (and put back after it; the kit's own code holds them by reference);
+  a submission that imports one anyway gets the module object the process holds (grading's tripwires
+  included), not a fresh copy from disk.
 
 What this cannot hide, and no in-process measure could: the kit's thread, blocked waiting for the call
 (``sys._current_frames()``), the kit's objects on the heap (``gc.get_objects()``), files on disk, and the
@@ -21,25 +23,52 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+from importlib.machinery import ModuleSpec
 
 import torch
 
 HIDDEN = ("attn_spec", "hypothesis", "_hypothesis_ftz_detector", "_hypothesis_globals", "sortedcontainers",
           "tabulate", "pytest", "_pytest", "pluggy")  # top-level packages the kit brings into the child
 
+# The caller thread's code, compiled from this string: no frame or class of it names the kit. While a call runs,
+# the kit's modules are out of sys.modules, and a finder hands back the very module objects if the submission
+# imports one (so it gets what the process holds, tripwires included, never a fresh copy from disk).
 _LOOP = '''
-def serve(requests, hide):
+class Finder:
+    def __init__(self, modules):
+        self.modules, self.specs = modules, {}
+
+    def find_spec(self, name, path=None, target=None):
+        module = self.modules.get(name)
+        if module is None:
+            return None
+        self.specs[name] = module.__spec__
+        return ModuleSpec(name, self, is_package=hasattr(module, "__path__"))
+
+    def create_module(self, spec):
+        return self.modules[spec.name]
+
+    def exec_module(self, module):
+        module.__spec__ = self.specs.pop(module.__name__, module.__spec__)
+
+
+def serve(requests, packages):
     while True:
         fn, args, kwargs, grad, done = requests.get()
-        hidden = hide()
+        names = [name for name in sys.modules if name.split(".", 1)[0] in packages]
+        hidden = {name: sys.modules.pop(name) for name in names}
+        finder = Finder(hidden)
+        sys.meta_path.insert(0, finder)
         try:
             with set_grad_enabled(grad):
                 done.append((True, fn(*args, **kwargs)))
         except BaseException as exc:
             done.append((False, exc))
         finally:
-            restore(hidden)
-            fn = args = kwargs = None
+            sys.meta_path.remove(finder)
+            for name, module in hidden.items():
+                sys.modules.setdefault(name, module)
+            fn = args = kwargs = hidden = finder = None
             done.ready.set()
 '''
 
@@ -48,20 +77,6 @@ class _Done(list):
     def __init__(self):
         super().__init__()
         self.ready = threading.Event()
-
-
-def _kit_modules(name: str) -> bool:
-    return name.split(".", 1)[0] in HIDDEN
-
-
-def hide() -> dict:
-    """Take the kit's modules out of sys.modules; returns them, for :func:`restore`."""
-    return {name: sys.modules.pop(name) for name in [n for n in sys.modules if _kit_modules(n)]}
-
-
-def restore(hidden: dict) -> None:
-    for name, module in hidden.items():
-        sys.modules.setdefault(name, module)
 
 
 _requests: queue.SimpleQueue | None = None
@@ -73,9 +88,9 @@ def start() -> None:
     if _requests is not None:
         return
     _requests = queue.SimpleQueue()
-    scope = {"__name__": "__call__", "set_grad_enabled": torch.set_grad_enabled, "restore": restore}
+    scope = {"__name__": "__call__", "sys": sys, "ModuleSpec": ModuleSpec, "set_grad_enabled": torch.set_grad_enabled}
     exec(compile(_LOOP, "<attention call>", "exec"), scope)
-    threading.Thread(target=scope["serve"], args=(_requests, hide), name="attention-call", daemon=True).start()
+    threading.Thread(target=scope["serve"], args=(_requests, HIDDEN), name="attention-call", daemon=True).start()
 
 
 def call(fn, *args, **kwargs):
