@@ -134,12 +134,22 @@ def main() -> None:
     parser.add_argument("--columns", default=",".join(COLUMNS))
     parser.add_argument("--only", nargs="*", help="kernel names")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--json", metavar="FILE", help="also write the verdicts as JSON")
+    parser.add_argument("--json", metavar="FILE", help="also write the verdicts as JSON (after each column)")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files "
+                        "(columns split between runs) instead of running anything")
     args = parser.parse_args()
-    columns = [c for c in args.columns.split(",") if c]
     kernels = [k for k in KERNELS if not args.only or k.name in args.only]
     verdicts: dict[tuple[str, str], tuple[bool, str, float]] = {}
-    wall = {}
+    wall: dict[str, float] = {}
+    if args.table:
+        for path in args.table:
+            saved = json.loads(Path(path).read_text())
+            wall.update(saved.pop("_wall", {}))
+            verdicts.update({tuple(key.split("|")): tuple(value) for key, value in saved.items()})
+        columns = [c for c in COLUMNS if c in wall]
+        show(kernels, columns, verdicts, wall)
+        return
+    columns = [c for c in args.columns.split(",") if c]
     for column in columns:
         start = time.perf_counter()
         todo = kernels
@@ -159,8 +169,13 @@ def main() -> None:
         wall[column] = time.perf_counter() - start
         print(f"[{column}: {wall[column]:.0f} s]", file=sys.stderr, flush=True)
         if args.json:  # after each column: a long run's figures survive it being stopped
-            Path(args.json).write_text(json.dumps({f"{n}|{c}": list(v) for (n, c), v in verdicts.items()}, indent=1))
+            saved = {f"{n}|{c}": list(v) for (n, c), v in verdicts.items()}
+            Path(args.json).write_text(json.dumps(dict(saved, _wall=wall), indent=1))
+    show(kernels, columns, verdicts, wall)
 
+
+def show(kernels, columns, verdicts, wall) -> None:
+    """The table, then one line of counts per column."""
     def cell(k, c):
         ok, why, _ = verdicts[(k.name, c)]
         inherited = " (default)" if why == "(default)" else ""
