@@ -125,8 +125,11 @@ def shared() -> Isolation:
 
 
 def _close(child) -> None:
-    child.close()
-    remove(child.scratch)
+    """End a child and remove its folder, once (a target's child may be ended by a stop and again at the end)."""
+    if not getattr(child, "closed", False):
+        child.closed = True
+        child.close()
+        remove(child.scratch)
 
 
 class IsolatedTarget(RemoteTarget):
