@@ -29,7 +29,7 @@ fn = getattr(module, name)
 results = []
 for q, k, v, mask in torch.load(inputs):
     try:
-        results.append(fn(q, k, v, mask).detach().clone())
+        results.append(fn(q, k, v, mask).detach().clone().as_subclass(torch.Tensor))  # values as its checks read them
     except Exception as exc:
         results.append(f"{type(exc).__name__}: {exc}"[:200])
 torch.save(results, outputs)
