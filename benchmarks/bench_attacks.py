@@ -147,6 +147,9 @@ def main() -> None:
             wall.update(saved.pop("_wall", {}))
             verdicts.update({tuple(key.split("|")): tuple(value) for key, value in saved.items()})
         columns = [c for c in COLUMNS if c in wall]
+        for k in kernels:  # a thorough run of only the kernels the default check passed
+            if "thorough" in wall and (k.name, "thorough") not in verdicts and not verdicts[(k.name, "default")][0]:
+                verdicts[(k.name, "thorough")] = (False, "(default)", 0.0)
         show(kernels, columns, verdicts, wall)
         return
     columns = [c for c in args.columns.split(",") if c]
