@@ -385,7 +385,9 @@ def _imported(stem, does, seen, why) -> Kernel:
 
 ATTACKS: list[Kernel] = [
     _here(cached_by_shape, "default", "new values at a shape it has seen get the old result"),
-    _here(cached_by_pointer, "default", "inputs rewritten in place in the same storage between calls (C1's call layer)"),
+    _here(cached_by_pointer, "default", "inputs rewritten in place in the same storage between calls (C1's call layer; "
+          "measured on main: caught by batch-independence, whose expanded K shares K's pointer). Under --isolate "
+          "each call's inputs reach the child as new tensors: a pointer cache hits only by chance there"),
     _here(exact_at_powers_of_two, "default", "the kit draws lengths and head dims that are not powers of two"),
     _here(exact_at_benchmarked_length, "default", "the kit draws lengths other than the benchmark's"),
     _here(drops_partial_key_block, "default", "lengths above a block that are not multiples of it: at the default "
@@ -398,7 +400,9 @@ ATTACKS: list[Kernel] = [
     _here(first_batch_only, "default", "batches and heads with different inputs"),
     _here(uninitialised_half, "default", "unwritten memory rarely holds the right values at every drawn shape"),
     _here(writes_into_q, "default", "inputs compared with a copy after the call; outputs checked for aliasing"),
-    _here(same_buffer_every_call, "default", "a returned result read again after the next call (C1's call layer)"),
+    _here(same_buffer_every_call, "default", "a returned result read again after the next call (C1's call layer; "
+          "measured on main: properties that keep two calls' outputs see it). Under --isolate and grade the "
+          "outputs come back as copies, so the overwrite cannot show (and harms no caller across the boundary)"),
     _here(lazy_subclass, "default", "a tensor subclass is refused (C1's call layer; the grader's child refuses it "
           "too); its values, once read, are right: no check of values alone can see it"),
     _here(background_thread, "default", "values read when the call returns and again after the next call"),
