@@ -69,12 +69,17 @@ def test_isolate_hides_the_kit_from_the_target():
 
 
 def test_isolate_keeps_the_kit_out_of_reach():
-    """What a target does to the kit or to torch at import, or a lazy tensor subclass it returns, stays in its child."""
+    """What a target does to the kit or to torch at import stays in its child; a lazy tensor subclass is refused there,
+    and a result overwritten by the next call is seen there (the grader only ever gets copies)."""
     verdict = f"{attacks.HERE / 'import_attacks' / 'patch_kit_verdict.py'}:attention"
     lazy = f"{attacks.HERE / 'attacks.py'}:lazy_subclass"
-    report = attn_spec.check(verdict, lazy, profile="quick", seed=SEED, only=["matches-reference"], isolate=True)
-    assert [t.conforms for t in report.targets] == [False, False]
+    reused = f"{attacks.HERE / 'attacks.py'}:same_buffer_every_call"
+    report = attn_spec.check(verdict, lazy, reused, profile="quick", seed=SEED,
+                             only=["matches-reference", "permutation-equivariance"], isolate=True)  # two calls a case
+    assert [t.conforms for t in report.targets] == [False, False, False]
     assert "subclass" in report.targets[1].properties[0].message
+    assert any("result an earlier call returned" in p.message for p in report.targets[2].properties)  # copies
+    # cross the boundary, yet the overwrite shows
 
 
 def test_isolate_a_hang_or_a_crash_fails_and_the_run_goes_on():

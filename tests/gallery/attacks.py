@@ -402,7 +402,7 @@ ATTACKS: list[Kernel] = [
     _here(writes_into_q, "default", "inputs compared with a copy after the call; outputs checked for aliasing"),
     _here(same_buffer_every_call, "default", "a returned result read again after the next call (C1's call layer; "
           "measured on main: properties that keep two calls' outputs see it). Under --isolate and grade the "
-          "outputs come back as copies, so the overwrite cannot show (and harms no caller across the boundary)"),
+          "outputs come back as copies: the child compares the previous call's outputs after each call"),
     _here(lazy_subclass, "default", "a tensor subclass is refused (C1's call layer; the grader's child refuses it "
           "too); its values, once read, are right: no check of values alone can see it"),
     _here(background_thread, "default", "values read when the call returns and again after the next call"),

@@ -316,6 +316,22 @@ def _error_reply(exc: BaseException) -> dict:
             "traceback": user_traceback(exc)[-TEXT_LIMIT:]}
 
 
+# The previous call's outputs and their bytes as they were sent. The grader gets copies, so a submission that
+# returns one buffer and overwrites it on the next call would harm nobody here; in-process it hands its caller
+# a result that changes under it (the grader of check --isolate and grade asks for the same as check does).
+_EARLIER: list = []
+
+
+def _overwritten(outputs: list, method: str) -> None:
+    """Fail this call if it changed what an earlier call returned; remember this call's outputs."""
+    changed = any(wire.raw_bytes(wire.span_view(t)) != raw for t, raw in _EARLIER)
+    _EARLIER[:] = [(t, wire.raw_bytes(wire.span_view(t))) for t in outputs]
+    if changed:
+        raise Failure(f"{method} changed the values of the result an earlier call returned",
+                      cause="the target returns one buffer and writes every call into it: a caller that keeps a "
+                            "result sees it change (return a new tensor each call)")
+
+
 def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> None:
     target, method = targets.get(header.get("convention")), header.get("method")
     before = [wire.raw_bytes(wire.span_view(t)) for t in tensors]  # as they arrived: the call may write into them
@@ -328,6 +344,7 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> N
         result = getattr(target, method)(*args, **kwargs)
         outputs = list(result) if isinstance(result, tuple) else [result]
         reply = {"ok": True, "result": [wire.pack(_plain(t, method).detach(), reply_tensors) for t in outputs]}
+        _overwritten(outputs, method)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are re-raised below
         if isinstance(exc, TargetRaised) and isinstance(exc.exc, SystemExit):
             raise exc.exc from None  # the submission exits: its process ends, and that is its outcome
