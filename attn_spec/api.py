@@ -102,8 +102,11 @@ def load_targets(settings: attn_settings.Settings, objects=None, *, name: str | 
     for obj in objects:
         key = name if name and len(objects) == 1 else (obj if isinstance(obj, str) else None)
         try:
+            if settings["isolate"] and not isinstance(obj, Target):
+                targets.append(_isolated(obj, settings, root))
+                continue
             with timeout(settings["call-timeout"]):  # an import, a module built: under their deadlines
-                    target = obj if isinstance(obj, Target) else \
+                target = obj if isinstance(obj, Target) else \
                     load(obj, settings["convention"], name=key, root=root, masks=masks,
                          inference_only=settings["inference-only"], verbose=verbose, **options) if isinstance(obj, str) \
                     else make_target(obj, key, settings["convention"], masks, verbose=verbose, **options)
@@ -115,6 +118,23 @@ def load_targets(settings: attn_settings.Settings, objects=None, *, name: str | 
         target.masks = parse_masks(masks) or target.masks
         targets.append(target)
     return targets
+
+
+def _isolated(obj, settings: attn_settings.Settings, root) -> Target:
+    """The TARGET ``obj`` in a process of its own (--isolate: attn_spec.grading.isolation.isolated)."""
+    from attn_spec.grading.isolation.isolated import shared
+
+    given = [name for name, value in target_options(settings).items() if value] + \
+        (["masks"] if settings["masks"] and settings["masks"] != ["bool"] else [])
+    if not isinstance(obj, str) or given:
+        why = f"it does not take {', '.join(given)}" if given else \
+            "an object already imported into this process cannot be moved out of it"
+        raise KitUsageError(f"--isolate checks path/to/file.py:name targets in the function or seed-module convention; "
+                            f"{why}")
+    devices = [d for d in settings["devices"] if d != "all"] or available_devices()
+    target = shared().target(obj, settings["convention"], devices=devices, root=root)
+    target.inference_only = settings["inference-only"]
+    return target
 
 
 def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = False, diagnose: bool = True,
@@ -141,7 +161,7 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
 def check(*targets, name=None, convention=None, profile=None, seed=None, only=None, skip=None, dtypes=None,
           devices=None, require=None, expect=None, inference_only=None, shapes=None, progress=None,
           exitfirst=False, verbose=False, config=False, diagnose=True, masks=None, layout=None, expect_mask=None,
-          expect_score=None, hf_module_attr=None, hf_config=None, call_timeout=None) -> Report:
+          expect_score=None, hf_module_attr=None, hf_config=None, call_timeout=None, isolate=None) -> Report:
     """Check attention functions or modules against the catalog; returns a :class:`Report`.
 
     ``masks``: the mask forms the targets take, ``("bool",)`` or ``("bool", "additive")`` (default:
@@ -165,7 +185,8 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
     class that raises when instantiated) is listed in ``report.not_loaded``; the others are checked.
     ``layout`` (bhsd, bshd), ``expect_mask``, ``expect_score``, ``hf_module_attr`` (``["NAME=VALUE"]``) and
     ``hf_config`` (a config.json) are passed to ``make_target``
-    (attn_spec.targets.conventions). Without ``dtypes``, each target is checked in its convention's dtypes
+    (attn_spec.targets.conventions). ``isolate``: each TARGET string (path/to/file.py:name) runs in a process of
+    its own, as ``--isolate``. Without ``dtypes``, each target is checked in its convention's dtypes
     (hf: float32, float16, bfloat16). ``call_timeout``: seconds a call into a target may take on a small case,
     proportionally more on larger ones (default 10; 0: none); a call past it fails its property as a hang.
     """
@@ -173,7 +194,7 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
                             dtypes=dtypes, devices=devices, require=require, expect=expect,
                             inference_only=inference_only, shapes=shapes, masks=masks, layout=layout,
                             expect_mask=expect_mask, expect_score=expect_score, hf_module_attr=hf_module_attr,
-                            hf_config=hf_config, call_timeout=call_timeout)
+                            hf_config=hf_config, call_timeout=call_timeout, isolate=isolate)
     if not config:
         settings = attn_settings.resolve([given])
     else:

@@ -130,6 +130,10 @@ _SETTINGS = (
     Setting("inference-only", "the targets are inference kernels: an output without autograd makes gradients a "
             "skip, not a failure (function, module and adapter targets must otherwise be differentiable)",
             kind="bool", default=False),
+    Setting("isolate", "run each target in a process of its own (the one `attn-spec grade` runs a submission in): it "
+            "cannot reach the kit's reference, budgets, RNG or verdict, sees no kit frame on its stack nor kit module "
+            "in sys.modules, and a crash or hang fails the property that made the call; for path/to/file.py:name "
+            "targets in the function or seed-module convention", kind="bool", default=False),
     Setting("layout", "input layout of function and sdpa targets: bhsd = [B, H, S, D] (PyTorch) or bshd = "
             "[B, S, H, D] (flash-attn, xformers) (default: detected where unambiguous, else bhsd)",
             choices=("bhsd", "bshd"), metavar="LAYOUT", unset="detected"),

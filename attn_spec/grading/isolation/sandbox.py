@@ -31,7 +31,7 @@ from attn_spec.targets.conventions import FunctionTarget, ModuleTarget
 from attn_spec.targets.module_adapters import SeedAdapter
 from attn_spec.targets.deadline import timeout
 from attn_spec.errors import Failure, KitSignal, TargetRaised, Unsupported
-from attn_spec.grading.isolation import diagnosis, wire
+from attn_spec.grading.isolation import diagnosis, hidden, wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
 from attn_spec.targets.integrity import not_plain
@@ -59,18 +59,27 @@ def _plain(out, call: str):
 
 
 def _checked_function(fn, name: str):
-    """The student's function, its output checked before the adapter sees it (signature kept)."""
+    """The student's function, called on the caller thread (attn_spec.grading.isolation.hidden), its output
+    checked before the adapter sees it (signature kept)."""
     @functools.wraps(fn)
     def checked(*args):
-        return _plain(fn(*args), f"{name}(...)")
+        return _plain(hidden.call(fn, *args), f"{name}(...)")
     return checked
 
 
 def _checked_class(cls, name: str):
-    """Builds the student's module and checks every forward's output before the adapter sees it."""
+    """Builds the student's module and runs every forward on the caller thread (attn_spec.grading.isolation.hidden),
+    checking its output before the adapter sees it."""
     def construct(*args):
-        module = cls(*args)
+        module = hidden.call(cls, *args)
         if isinstance(module, torch.nn.Module):
+            forward = module.forward
+
+            @functools.wraps(forward)
+            def unseen_forward(*inputs, **kwargs):
+                return hidden.call(forward, *inputs, **kwargs)
+
+            module.forward = unseen_forward
             module.register_forward_hook(lambda _m, _inputs, out: _plain(out, f"{name}.forward(...)"))
         return module
     construct.__name__ = name
@@ -259,10 +268,11 @@ def _load(config: dict) -> dict:
     sys.path.insert(0, scratch)
     sys.dont_write_bytecode = True
     try:
-        spec = importlib.util.spec_from_file_location("submission", os.path.join(scratch, entry))
+        name = config.get("module", "submission")  # check --isolate: the file's own stem
+        spec = importlib.util.spec_from_file_location(name, os.path.join(scratch, entry))
         module = importlib.util.module_from_spec(spec)
-        sys.modules["submission"] = module
-        spec.loader.exec_module(module)
+        sys.modules[name] = module
+        hidden.call(spec.loader.exec_module, module)  # its import-time code sees no kit frame either
     except SyntaxError as exc:
         return {"ok": False, "outcome": "syntax-error", "line": exc.lineno, "file": os.path.basename(exc.filename or entry),
                 "message": f"{exc.msg}"[:TEXT_LIMIT], "traceback": user_traceback(exc)[-TEXT_LIMIT:]}
@@ -315,6 +325,22 @@ def _error_reply(exc: BaseException) -> dict:
             "traceback": user_traceback(exc)[-TEXT_LIMIT:]}
 
 
+# The previous call's outputs and their bytes as they were sent. The grader gets copies, so a submission that
+# returns one buffer and overwrites it on the next call would harm nobody here; in-process it hands its caller
+# a result that changes under it (the grader of check --isolate and grade asks for the same as check does).
+_EARLIER: list = []
+
+
+def _overwritten(outputs: list, method: str) -> None:
+    """Fail this call if it changed what an earlier call returned; remember this call's outputs."""
+    changed = any(wire.raw_bytes(wire.span_view(t)) != raw for t, raw in _EARLIER)
+    _EARLIER[:] = [(t, wire.raw_bytes(wire.span_view(t))) for t in outputs]
+    if changed:
+        raise Failure(f"{method} changed the values of the result an earlier call returned",
+                      cause="the target returns one buffer and writes every call into it: a caller that keeps a "
+                            "result sees it change (return a new tensor each call)")
+
+
 def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> None:
     target, method = targets.get(header.get("convention")), header.get("method")
     before = [wire.raw_bytes(wire.span_view(t)) for t in tensors]  # as they arrived: the call may write into them
@@ -327,6 +353,7 @@ def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> N
         result = getattr(target, method)(*args, **kwargs)
         outputs = list(result) if isinstance(result, tuple) else [result]
         reply = {"ok": True, "result": [wire.pack(_plain(t, method).detach(), reply_tensors) for t in outputs]}
+        _overwritten(outputs, method)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are re-raised below
         if isinstance(exc, TargetRaised) and isinstance(exc.exc, SystemExit):
             raise exc.exc from None  # the submission exits: its process ends, and that is its outcome
@@ -367,6 +394,7 @@ def serve(chan_fd: int, out_fd: int, hits_fd: int, config: dict) -> None:
     try:
         names = arm_tripwires(config["forbidden"])  # already armed in the zygote: no work here
         _HITS[0] = hits_fd
+        hidden.start()  # before confine: no thread may be started after it
         sandbox = confine(config, out_fd)
     except Exception as exc:  # noqa: BLE001 - the sandbox itself failed: the grader's problem, not the student's
         chan.send({"stage": "sandbox-error", "message": f"{type(exc).__name__}: {exc}"[:TEXT_LIMIT]})

@@ -97,8 +97,9 @@ def closed_folder(path: str) -> str | None:
     return None
 
 
-def launch() -> Launch:
-    """Start a zygote in a fresh scratch base folder (0711: each child reaches only its own folder).
+def launch(prefix: str = "attn-spec-grade-") -> Launch:
+    """Start a zygote in a fresh scratch base folder (0711: each child reaches only its own folder) named
+    ``prefix`` and a random tail.
     As root the children run as sandbox users, who must be able to enter the temporary folder
     (TMPDIR): if they cannot, an IsolationError says so before anyone is graded."""
     if os.geteuid() == 0:
@@ -107,7 +108,7 @@ def launch() -> Launch:
             raise IsolationError(f"the scratch folders would go under {tempfile.gettempdir()}, but the sandbox users "
                                  f"cannot enter {closed} (it has no o+x): every submission would fail to import. Set "
                                  f"TMPDIR to a folder they can reach, such as /tmp")
-    base = tempfile.mkdtemp(prefix="attn-spec-grade-")
+    base = tempfile.mkdtemp(prefix=prefix)  # check --isolate: a name that does not say who runs it
     os.chmod(base, 0o711)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8",

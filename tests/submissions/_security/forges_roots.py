@@ -1,11 +1,13 @@
 """Softmax over the queries, and a forged diagnosis: every failure claimed as the symptom of one root
 (a missing scale, which would leave it nearly full marks), sent in place of the kit's own."""
+import importlib
 import math
-import sys
 
 import torch
 
-diagnosis = sys.modules["attn_spec.grading.isolation.diagnosis"]
+# The kit's modules are out of sys.modules while submission code runs (grading/isolation/hidden.py), but an
+# import hands back the module the child holds: the attack goes on.
+diagnosis = importlib.import_module("attn_spec.grading.isolation.diagnosis")
 
 
 def _forged(chan, header, targets, hits_fd):
