@@ -299,3 +299,27 @@ def test_a_target_that_reseeds_torch_draws_the_same_cases(tmp_path, monkeypatch)
     assert seen["plain"] and seen["plain"] == seen["reseeds"]
     reseeded = report.targets[0].state_changes
     assert any(c["state"] == "global RNG seed" for c in reseeded)
+
+
+def test_torch_rewrapping_its_own_function_at_an_import_is_no_patch(tmp_path):
+    """Importing torch._dynamo (torch.compile, FlexAttention) replaces torch.manual_seed by torch's own wrapper
+    around it: a correct target that imports it conforms with no integrity row (it failed every property before)."""
+    report = _check(tmp_path, "import torch._dynamo\n" + CORRECT)
+    assert report.conforms and _integrity(report) is None, report.verdict
+
+
+def test_a_wrapper_of_the_targets_own_around_the_original_is_a_patch(tmp_path):
+    """The same shape of replacement made by the target's code (a wrapper whose __wrapped__ is the original) is a
+    patch: only torch's own code may rewrap."""
+    report = _check(tmp_path, WRONG + '''
+import functools
+_original = torch.softmax
+
+@functools.wraps(_original)
+def softmax(x, *args, **kwargs):
+    return _original(x, *args, **kwargs)
+
+torch.softmax = softmax
+''')
+    row = _integrity(report)
+    assert row is not None and row.status == "fail" and "torch.softmax" in row.message, row

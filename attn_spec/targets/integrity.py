@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import os
 import sys
 import types
 import weakref
@@ -63,6 +64,17 @@ def _owners():
             yield entry, f"{KIT}.checking.catalog.REGISTRY[{pid!r}]", True
 
 
+TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _rewrapped(old, new) -> bool:
+    """``new`` is torch's own wrapper around ``old`` itself: importing torch._dynamo (torch.compile, FlexAttention)
+    replaces ``torch.manual_seed`` by ``torch._disable_dynamo(torch.manual_seed)``. The same function, not a patch:
+    a wrapper made by torch's code whose ``__wrapped__`` is the very object the snapshot holds."""
+    code = getattr(new, "__code__", None)
+    return getattr(new, "__wrapped__", None) is old and code is not None and code.co_filename.startswith(TORCH_DIR)
+
+
 class _Watched:
     """One owner's names and the objects they held, compared by identity."""
 
@@ -80,22 +92,27 @@ class _Watched:
 
     def changes(self):
         """(full name, what happened, how to undo it) for each name that changed; names added to a module are
-        taken into the snapshot (a lazy import adds them)."""
-        now = vars(self.owner)
-        for key, old in zip(self.keys, self.values):
+        taken into the snapshot (a lazy import adds them), and so is torch's own wrapper around the very same
+        function (:func:`_rewrapped`)."""
+        now, known = vars(self.owner), dict(zip(self.keys, self.values))
+        for key, old in known.items():
             new = now.get(key, _MISSING)
-            if new is not old:
-                yield (f"{self.name}.{key}", "removed" if new is _MISSING else "replaced",
-                       lambda key=key, old=old: self._put(key, old))
-        added = [key for key in now if key not in set(self.keys)]
-        if self.strict:
-            for key in added:
-                inherited = any(key in vars(base) for base in type.mro(self.owner)[1:]) \
-                    if isinstance(self.owner, type) else False
-                yield (f"{self.name}.{key}", "replaced" if inherited else "added",
-                       lambda key=key: self._put(key, _MISSING))
-        elif added:
-            self.keys, self.values = tuple(now), tuple(now.values())
+            if new is old:
+                continue
+            if _rewrapped(old, new):
+                known[key] = new
+                continue
+            yield (f"{self.name}.{key}", "removed" if new is _MISSING else "replaced",
+                   lambda key=key, old=old: self._put(key, old))
+        for key in [key for key in now if key not in known]:
+            if not self.strict:
+                known[key] = now[key]
+                continue
+            inherited = any(key in vars(base) for base in type.mro(self.owner)[1:]) \
+                if isinstance(self.owner, type) else False
+            yield (f"{self.name}.{key}", "replaced" if inherited else "added",
+                   lambda key=key: self._put(key, _MISSING))
+        self.keys, self.values = tuple(known), tuple(known.values())  # what the undone changes put back
 
     def _put(self, key, value):
         """Set ``key`` back to ``value`` (or delete it: ``_MISSING``) on the owner, whatever kind it is."""
