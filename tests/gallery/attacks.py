@@ -385,9 +385,9 @@ def _imported(stem, does, seen, why) -> Kernel:
 
 ATTACKS: list[Kernel] = [
     _here(cached_by_shape, "default", "new values at a shape it has seen get the old result"),
-    _here(cached_by_pointer, "default", "inputs rewritten in place in the same storage between calls (C1's call layer; "
-          "measured on main: caught by batch-independence, whose expanded K shares K's pointer). Under --isolate "
-          "each call's inputs reach the child as new tensors: a pointer cache hits only by chance there"),
+    _here(cached_by_pointer, "default", "determinism's second call gets the first call's own tensors with V rewritten in place "
+          "(properties/robustness.py). Under --isolate each call's inputs reach the child as new tensors: a pointer "
+          "cache hits only by chance there"),
     _here(exact_at_powers_of_two, "default", "the kit draws lengths and head dims that are not powers of two"),
     _here(exact_at_benchmarked_length, "default", "the kit draws lengths other than the benchmark's"),
     _here(drops_partial_key_block, "default", "lengths above a block that are not multiples of it: at the default "
@@ -400,11 +400,11 @@ ATTACKS: list[Kernel] = [
     _here(first_batch_only, "default", "batches and heads with different inputs"),
     _here(uninitialised_half, "default", "unwritten memory rarely holds the right values at every drawn shape"),
     _here(writes_into_q, "default", "inputs compared with a copy after the call; outputs checked for aliasing"),
-    _here(same_buffer_every_call, "default", "a returned result read again after the next call (C1's call layer; "
-          "measured on main: properties that keep two calls' outputs see it). Under --isolate and grade the "
-          "outputs come back as copies: the child compares the previous call's outputs after each call"),
-    _here(lazy_subclass, "default", "a tensor subclass is refused (C1's call layer; the grader's child refuses it "
-          "too); its values, once read, are right: no check of values alone can see it"),
+    _here(same_buffer_every_call, "default", "an output sharing storage with an earlier one fails, and a "
+          "returned result is read again after the next call (attn_spec.targets.integrity); under --isolate and grade "
+          "the child does the same before the outputs come back as copies"),
+    _here(lazy_subclass, "default", "a tensor subclass is refused (attn_spec.targets.integrity.not_plain, in "
+          "check and in the grader's child); its values, once read, are right: no check of values alone can see it"),
     _here(background_thread, "default", "values read when the call returns and again after the next call"),
     _here(detects_harness, "isolate", "in-process it sees the kit's frames and modules and behaves; under --isolate "
           "its stack holds no kit frame and sys.modules no kit module, so it cheats and fails. A kernel that "
@@ -418,11 +418,12 @@ ATTACKS: list[Kernel] = [
     _imported("patch_assert_close", "at import: torch.testing.assert_close a no-op; every other key only",
               "default", "the kit never judges with assert_close"),
     _imported("patch_softmax", "at import: torch's softmax and SDPA 1.1x too sharp, and it uses them", "default",
-              "the kit's reference must use torch functions captured before any target is imported (C1), or "
-              "--isolate"),
-    _imported("patch_kit_verdict", "at import: the kit's report classes always conform; returns zeros", "isolate",
-              "in-process a target can rewrite the kit (C1's call layer may restore what it knows); under "
-              "--isolate the kit is in another process"),
+              "torch's functions replaced by a target are put back before the "
+              "reference runs, and the target fails integrity:untouched (attn_spec.targets.integrity); --isolate "
+              "keeps the patch in the child"),
+    _imported("patch_kit_verdict", "at import: the kit's report classes always conform; returns zeros", "default",
+              "the kit's own objects replaced by a target are put back and fail integrity:untouched "
+              "(attn_spec.targets.integrity); under --isolate the kit is in another process"),
 ]
 
 HONEST: list[Kernel] = [_here(fn, "honest", "") for fn in (

@@ -31,6 +31,7 @@ from attn_spec.targets.conventions import FunctionTarget, ModuleTarget
 from attn_spec.targets.module_adapters import SeedAdapter
 from attn_spec.targets.deadline import timeout
 from attn_spec.errors import Failure, KitSignal, TargetRaised, Unsupported
+from attn_spec.failures import fail
 from attn_spec.grading.isolation import diagnosis, hidden, wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
@@ -336,9 +337,10 @@ def _overwritten(outputs: list, method: str) -> None:
     changed = any(wire.raw_bytes(wire.span_view(t)) != raw for t, raw in _EARLIER)
     _EARLIER[:] = [(t, wire.raw_bytes(wire.span_view(t))) for t in outputs]
     if changed:
-        raise Failure(f"{method} changed the values of the result an earlier call returned",
-                      cause="the target returns one buffer and writes every call into it: a caller that keeps a "
-                            "result sees it change (return a new tensor each call)")
+        fail("changed by this call", what="the values of the result an earlier call returned",
+             expected="the same values", call=method,
+             cause="the target returns one buffer and writes every call into it: a caller that keeps a result "
+                   "sees it change (return a new tensor each call)")
 
 
 def _answer(chan: wire.Channel, header: dict, tensors: list, targets: dict) -> None:
