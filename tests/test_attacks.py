@@ -31,6 +31,7 @@ def test_the_gallery_is_what_the_issue_measures():
     assert {k.seen for k in attacks.ATTACKS} <= {"default", "isolate", "unseeable"}
 
 
+@pytest.mark.slow
 def test_honest_kernels_conform_at_the_default_profile():
     """Online-softmax tiles, split-KV with an LSE merge, chunked queries, mixed precision done right, fused einsums,
     base-2 exponent, and the benign shortcut to torch's SDPA: one check of all seven, as a gate would run it."""
@@ -39,6 +40,7 @@ def test_honest_kernels_conform_at_the_default_profile():
     assert report.conforms, alarms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", IN_PROCESS, ids=str)
 def test_attack_fails_the_default_check(kernel):
     """At quick where quick's cases suffice (measured: all but the one that needs the default profile's long case)."""
@@ -48,6 +50,7 @@ def test_attack_fails_the_default_check(kernel):
     assert not report.conforms, f"{kernel.name} ({kernel.does}) conforms; seen by: {kernel.why}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", AT_IMPORT, ids=str)
 def test_import_time_attack_fails_the_default_check(kernel):
     done = subprocess.run([sys.executable, "-m", "attn_spec", "check", kernel.spec, "--seed", str(SEED),
@@ -68,6 +71,7 @@ def test_isolate_hides_the_kit_from_the_target():
     assert [t.conforms for t in isolated.targets] == [True, False], str(isolated)
 
 
+@pytest.mark.slow
 def test_isolate_keeps_the_kit_out_of_reach():
     """What a target does to the kit or to torch at import stays in its child; a lazy tensor subclass is refused there,
     and a result overwritten by the next call is seen there (the grader only ever gets copies)."""
@@ -83,6 +87,7 @@ def test_isolate_keeps_the_kit_out_of_reach():
     assert any("earlier call" in p.message for p in report.targets[2].properties)
 
 
+@pytest.mark.slow
 def test_isolate_a_hang_or_a_crash_fails_and_the_run_goes_on():
     with Isolation(call_seconds=2) as isolation:
         targets = [isolation.target(f"{DATA}:{name}") for name in ("hangs_above_two_keys", "aborts_above_two_keys",

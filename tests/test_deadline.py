@@ -127,6 +127,7 @@ def cli(folder, *args, stderr=subprocess.PIPE, timeout=300):
 QUICK = ["--profile", "quick", "--seed", "1", "--call-timeout", "0.5"]
 
 
+@pytest.mark.slow
 def test_a_hanging_function_fails_its_properties_and_the_check_finishes_with_its_report(targets):
     run = cli(targets, "targets.py:spins", "targets.py:attention", "--only", "rows-sum-to-one", "matches-reference",
               *QUICK, "--format", "json")
@@ -140,6 +141,7 @@ def test_a_hanging_function_fails_its_properties_and_the_check_finishes_with_its
     assert correct["conforms"] and not spins["conforms"]  # the run went on to the next target
 
 
+@pytest.mark.slow
 def test_the_backward_and_a_modules_construction_have_deadlines_too(targets):
     run = cli(targets, "targets.py:spins_in_backward", "targets.py:SpinsWhenBuilt", "--only", "gradients", *QUICK,
               "--format", "json")
@@ -151,6 +153,7 @@ def test_the_backward_and_a_modules_construction_have_deadlines_too(targets):
     assert module["message"].startswith("targets.py:SpinsWhenBuilt(") and "in __init__)" in module["message"]
 
 
+@pytest.mark.slow
 def test_a_target_that_swallows_the_interrupt_still_fails_and_the_check_ends(targets):
     run = cli(targets, "targets.py:swallows", "--only", "rows-sum-to-one", *QUICK)
     assert run.returncode == 1, run.stderr
@@ -172,6 +175,7 @@ def test_outside_the_main_thread_the_watchdog_ends_a_hang(targets):
     assert "did not return within 0.3 s" in run.stderr
 
 
+@pytest.mark.slow
 def test_an_import_that_never_ends_is_a_target_that_cannot_be_loaded(targets):
     run = cli(targets, "hangs_at_import.py:attention", "targets.py:attention", "--only", "rows-sum-to-one", *QUICK)
     assert run.returncode == 2  # as any target that cannot be loaded; the other one is still checked
@@ -192,6 +196,7 @@ def test_the_deadline_scales_with_the_case(targets):
     assert f"an import {deadline.IMPORT_FACTOR} times as long" in SETTINGS["call-timeout"].help  # as the help says
 
 
+@pytest.mark.slow
 def test_a_target_slow_only_on_long_cases_is_not_failed_on_them(targets):
     run = cli(targets, "targets.py:slow_on_long_cases", "--shapes", "1,1,4096,32", "--only", "matches-reference",
               "--dtypes", "float32", "--seed", "1", "--call-timeout", "0.5")
@@ -199,6 +204,7 @@ def test_a_target_slow_only_on_long_cases_is_not_failed_on_them(targets):
     assert "CONFORMS" in run.stdout
 
 
+@pytest.mark.slow
 def test_a_call_that_is_compiling_is_not_hanging(targets):
     run = cli(targets, "targets.py:compiled", "--only", "rows-sum-to-one", "--profile", "quick", "--seed", "1",
               "--call-timeout", "1")
@@ -229,6 +235,7 @@ def _on_a_terminal(folder, *args) -> str:
     return seen.decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_progress_shows_on_a_terminal_only_and_not_with_json(targets):
     args = ("targets.py:slow", "--only", "rows-sum-to-one", "--profile", "quick", "--seed", "1")
     shown = _on_a_terminal(targets, *args)
@@ -259,6 +266,7 @@ def test_the_deadline_comes_from_every_source(targets, monkeypatch, capsys):
         capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_api_and_the_plugin_take_the_deadline(targets, monkeypatch):
     import attn_spec
 

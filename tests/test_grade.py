@@ -26,6 +26,11 @@ from attn_spec.grading.grader import OUTCOMES
 from attn_spec.grading.isolation.scan import scan
 from grading_run import HERE, ROOT, grade, rubric
 
+# Every test here grades a class in real processes (a module fixture grades it once: about 30 s): the fast lane
+# leaves them out (pytest -m 'not slow'); test_grade_fairness, test_grade_security and test_attacks keep
+# grading's processes in it.
+pytestmark = pytest.mark.slow
+
 OUTPUT_KB = 8
 RUBRIC = rubric(OUTPUT_KB)
 CORRECT = ["correct_seed", "correct_einsum_mha", "correct_float64", "correct_folder", "flood", "vandal"]
@@ -68,7 +73,6 @@ def _points(sub, status=None, convention=None):
             if (status is None or p["status"] == status) and (convention is None or p["convention"] == convention)}
 
 
-@pytest.mark.slow
 def test_the_run_finishes_and_grades_everyone(graded):
     assert graded["run"].returncode == 0, graded["run"].stderr
     names = {p.stem if p.is_file() else p.name for p in graded["subs"].iterdir() if not p.name.startswith((".", "_"))}
@@ -343,7 +347,6 @@ def test_summary_html_holds_summary_mds_tables_and_a_histogram(graded):
     assert "buggy_no_scale_again" in heatmap and heatmap.count("class='x'") == sum(len({d["mistake"] for d in s["roots"]}) for s in subs)
 
 
-@pytest.mark.slow
 def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded):
     rubric = tmp_path / "rubric.toml"
     rubric.write_text(RUBRIC)
@@ -370,7 +373,6 @@ def test_gradescope_results_follow_the_published_fields(tmp_path, capsys, graded
     assert results["score"] == graded["by"]["buggy_no_scale"]["score"]  # graded alone (--jobs 1) or by a judge
 
 
-@pytest.mark.slow
 def test_a_judge_that_dies_costs_only_the_submission_it_was_grading(tmp_path, monkeypatch):
     from attn_spec.grading import grader as grading
     from attn_spec.grading.pool import grade_all

@@ -105,6 +105,7 @@ def test_no_attack_causes_a_grader_error(attacked):
     assert "Traceback" not in attacked["run"].stderr
 
 
+@pytest.mark.slow
 def test_the_graders_environment_never_reaches_a_submission(attacked):
     """1: the child's inherited environment block is the zygote's, which holds none of the grader's variables."""
     printed = attacked["by"]["leaks_environment"]["output"]

@@ -232,6 +232,7 @@ def attention(Q, K, V, mask=None):
     assert failed.id == "matches-reference" and failed.status == "fail" and "NaN or inf" in failed.message
 
 
+@pytest.mark.slow
 def test_rows_exact_only_where_the_row_sampler_looks_fail_at_the_default_profile(tmp_path):
     """The kernel asks the kit's own row chooser which rows will be judged and computes only those exactly (the
     rest in bfloat16): the kit draws its random rows afresh after the call, and judges every row too."""

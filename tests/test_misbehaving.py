@@ -57,6 +57,7 @@ def _failures(report):
     return {p.id: p for p in report.properties if p.status == "fail"}
 
 
+@pytest.mark.slow
 def test_an_exception_in_the_backward_is_the_targets_with_its_traceback(together):
     report = together["raises_in_backward"]
     (failed,) = _failures(report).values()
