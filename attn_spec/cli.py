@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_HUNG = 0, 1, 2, 3
@@ -63,6 +64,12 @@ def usage_error(args, message: str) -> int:
 
 
 def main(argv=None) -> int:
+    # Before torch is imported (no command imports it before this line): torch's idle OpenMP threads sleep instead
+    # of spinning after each parallel op. A check calls small ops thousands of times (softmax goes parallel at any
+    # size): on a loaded 2-core machine the spinning thread made a default check of the seed attention cost 14.7 to
+    # 18.6 s of CPU, 3.4 to 4.0 s without it (benchmarks/bench_startup.py). The threads, and so what a target
+    # computes, are the same. A user's own OMP_WAIT_POLICY is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args, extra = build_parser().parse_known_args(argv)
     if extra:  # argparse would blame the top-level parser for a subcommand's extra arguments
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
