@@ -82,8 +82,10 @@ def counts() -> dict[str, int]:
 
 
 def bench(path: Path = RESULTS) -> tuple[str, str, dict[str, str]]:
-    """(the line saying when and where it ran, the table, measure -> figure) of a saved ``bench.py --markdown``."""
+    """(the line saying when and where it ran, the table, measure -> figure) of a saved ``bench.py --markdown``
+    (what follows the table after a blank line is left out)."""
     measured, _, rest = path.read_text(encoding="utf-8").strip().partition("\n\n")
+    rest = rest.partition("\n\n")[0]  # the table; sections below it (bench_startup.py's figures) are not quoted
     rows = {}
     for line in rest.splitlines()[2:]:  # after the header and the |---| line
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,6 +1,7 @@
 """``attn-spec check TARGET [TARGET ...]``: run the catalog and print a conformance report."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -121,6 +122,9 @@ def run(args) -> int:
         print(f"attn-spec: {missing['message']}", file=sys.stderr)
     if not targets:
         return EXIT_USAGE
+    # torch's, the kit's and the targets' modules live as long as the process: out of the collector's sight, neither
+    # Hypothesis's gc.collect() at its first example nor the automatic full collections walk them again.
+    gc.freeze()
     progress = _Progress(sys.stderr, sys.stderr.isatty() and args.format not in ("json", "junit"))  # quiet in CI logs
     try:
         report = api.run(targets, plan, progress=progress, exitfirst=args.exitfirst, verbose=args.verbose,
