@@ -122,14 +122,16 @@ def run(args) -> int:
         print(f"attn-spec: {missing['message']}", file=sys.stderr)
     if not targets:
         return EXIT_USAGE
-    # torch's, the kit's and the targets' modules live as long as the process: out of the collector's sight, neither
-    # Hypothesis's gc.collect() at its first example nor the automatic full collections walk them again.
+    # torch's, the kit's and the targets' modules outlive the run: out of the collector's sight, neither Hypothesis's
+    # gc.collect() at its first example nor the automatic full collections walk them again. Unfrozen after it, for a
+    # caller of main() in a long-lived process (its objects from before are collectable again).
     gc.freeze()
     progress = _Progress(sys.stderr, sys.stderr.isatty() and args.format not in ("json", "junit"))  # quiet in CI logs
     try:
         report = api.run(targets, plan, progress=progress, exitfirst=args.exitfirst, verbose=args.verbose,
                          not_loaded=not_loaded)
     finally:
+        gc.unfreeze()
         progress.done()
     colour = not args.output and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     written = render(report, args.format, colour=colour and args.format == "text")
