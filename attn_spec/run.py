@@ -14,7 +14,6 @@ from attn_spec.checking.cases import available_devices
 from attn_spec.checking.platform import judge
 from attn_spec.checking.runner import blocker, check_target, finish, requirements, run_property
 from attn_spec.diagnosis.run import diagnose_one, diagnose_target
-from attn_spec.dtypes import DTYPES
 from attn_spec.errors import Failure, TargetHung
 from attn_spec.report import PropertyResult, TargetReport
 from attn_spec.targets.base import Target
@@ -39,8 +38,8 @@ class Run:
     call_timeout: float | None = None  # seconds a call may take on a small case (attn_spec.targets.deadline)
 
     def dtypes_for(self, target: Target) -> list[str]:
-        """The dtypes given, else the target convention's own (hf: no float64), else all."""
-        return list(self.dtypes or target.default_dtypes or DTYPES)
+        """The dtypes given, else the target convention's own (hf: no float64), else all (Target.dtypes)."""
+        return target.dtypes(self.dtypes)
 
     def target(self, target: Target, props: list[Property], *, require=None, progress=None, exitfirst=False,
                expected=()) -> TargetReport:

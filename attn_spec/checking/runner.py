@@ -18,7 +18,7 @@ from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
 from attn_spec.targets.conventions import Target, conventions
-from attn_spec.checking.cases import DTYPES, available_devices
+from attn_spec.checking.cases import available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.counterexamples import counterexample
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
@@ -442,6 +442,12 @@ def applicable(props, target: Target) -> list:
             (target.is_attention and set(p.conventions) & attention)]
 
 
+def _notes(target) -> list[str]:
+    """The header's notes on how the target runs (Triton's interpreter), the dtypes its platform cannot run, and how
+    it is called (Target.notes)."""
+    return [*target.runtime] + [f"{name}: {why}" for name, why in target.left_out.items()] + target.notes()
+
+
 def _heads_note(target, props, results) -> list[str]:
     """For a multi-head module: which properties drew heads and weights and which ran one head (issue 23.5)."""
     if not (target.traits is not None and target.traits.multihead):
@@ -468,8 +474,8 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
     target.required = required(require)  # before the probes: a required capability's probe fails
-    report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
-    dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
+    report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=_notes(target))
+    dtypes, devices = target.dtypes(dtypes), devices or available_devices()
     props = applicable(props, target)
     # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
     if target.is_attention:
@@ -503,7 +509,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
 def finish(report: TargetReport, target: Target) -> TargetReport:
     """What the target's calls left, in its report (again after a diagnosis has replayed some)."""
     props = [REGISTRY[r.id] for r in report.properties if r.id in REGISTRY]
-    report.notes = target.notes() + _heads_note(target, props, report.properties)  # with what the calls taught
+    report.notes = _notes(target) + _heads_note(target, props, report.properties)  # with what the calls taught
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()
