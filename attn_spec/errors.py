@@ -82,10 +82,12 @@ class TargetHung(TargetRaised):
 
 class TargetDied(TargetRaised):
     """A call run in a forked child (attn_spec.targets.forked) killed that process: ``signal`` is the signal's name
-    (SIGABRT, SIGSEGV); the kit's process and the rest of the check go on."""
+    (SIGABRT, SIGSEGV), ``words`` the last line native code wrote to stderr before (glibc's "free(): invalid
+    pointer"); the kit's process and the rest of the check go on."""
 
-    def __init__(self, call: str, signal: str, likely: str):
-        Failure.__init__(self, f"{call}: the process died: {signal}" + (f", likely {likely}" if likely else ""),
+    def __init__(self, call: str, signal: str, likely: str, words: str = ""):
+        Failure.__init__(self, f"{call}: the process died: {signal}" + (f", likely {likely}" if likely else "")
+                         + (f" (its last words on stderr: {words!r})" if words else ""),
                          cause="the attention under test killed the process it ran in on a valid input"
                                + (f" ({likely})" if likely else ""))
         self.exc, self.user_traceback, self.signal = None, "", signal

@@ -26,7 +26,7 @@ from attn_spec.targets.capabilities import (Supports, envelope, parse_capabiliti
                                           required, supports)
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
-from attn_spec.errors import Failure, KitSignal, PlatformDefect, TargetHung, Uninformative, Unsupported
+from attn_spec.errors import Failure, KitSignal, PlatformDefect, TargetDied, TargetHung, Uninformative, Unsupported
 from attn_spec.checking.assertions import counting
 from attn_spec.checking.platform import judge
 from attn_spec.report import PropertyResult, TargetReport
@@ -36,6 +36,11 @@ from attn_spec.checking.strategies import get_profile
 from attn_spec.targets.integrity import CHANGED
 from attn_spec.targets.record import differs, record
 
+
+# Failures the diagnosis does not replay (``PropertyResult.hung``): a hang would wait out its deadline again; a dead
+# process (a heap corrupted by an out-of-bounds store aborts at some later free, not at every call) proves nothing
+# when a replay survives.
+UNREPLAYED = (TargetHung, TargetDied)
 
 class _Hung(KitSignal):
     """A call past its deadline, carried out of Hypothesis (a BaseException: it neither shrinks nor retries it)."""
@@ -165,7 +170,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     except (Failure, _Hung) as caught:
         failure = caught.failure if isinstance(caught, _Hung) else caught
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
-        result.vacuous, result.hung = failure.vacuous, isinstance(failure, TargetHung)
+        result.vacuous, result.hung = failure.vacuous, isinstance(failure, UNREPLAYED)
         result.counterexample = counterexample(prop, failure, failure.attn_case, target, seed)
         result.case = failure.attn_case
     except Unsatisfiable:
@@ -262,7 +267,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
             except Failure as failure:
                 result.status, result.message, result.cause = "fail", failure.message, failure.cause
                 result.message += f" (at {case.summary()})"
-                result.vacuous, result.case, result.hung = failure.vacuous, case, isinstance(failure, TargetHung)
+                result.vacuous, result.case, result.hung = failure.vacuous, case, isinstance(failure, UNREPLAYED)
                 result.found_after_calls = _calls_to(failure, target)
                 result.counterexample = counterexample(prop, failure, case, target, seed)
                 break

@@ -23,6 +23,7 @@ import pickle
 import select
 import signal
 import sys
+import tempfile
 import time
 
 import torch
@@ -127,9 +128,10 @@ def in_child(fn, *, timeout: float = 20.0) -> str:
 def call_forked(fn, args, call: str, state):
     """``fn(*args)``, the user's code, run in a forked child under ``state``'s guard and the call's deadline; raises
     as ``targets.base._call`` does (Unsupported, TargetRaised, TargetHung), or TargetDied when the child died."""
-    with state.call(call):
+    with state.call(call), tempfile.TemporaryFile() as said:  # said: the child's native stderr (glibc's last words)
         seconds = seconds_now()
-        kind, value = call_in_child(lambda: _outcome(fn, args), timeout=seconds or NO_DEADLINE)
+        kind, value = call_in_child(lambda: _outcome(fn, args, said.fileno()), timeout=seconds or NO_DEADLINE)
+        words = _last_line(said) if kind == "crashes" else ""
     if kind == "value":
         value, imported = value
         _import_here(imported)
@@ -140,7 +142,7 @@ def call_forked(fn, args, call: str, state):
     if kind == "value":  # raised: its type's name, its message, its traceback
         raise TargetRaised(type(value[1], (Exception,), {})(value[2]), call, value[3])
     if kind == "crashes":
-        raise TargetDied(call, value, LIKELY.get(value, ""))
+        raise TargetDied(call, value, LIKELY.get(value, ""), words)
     if kind == "hangs":
         stop = DeadlinePassed(seconds)
         raise TargetHung(stop, call, seconds, "(in a forked child: killed at its deadline, no traceback)")
@@ -149,12 +151,20 @@ def call_forked(fn, args, call: str, state):
     raise TargetRaised(RuntimeError(value), call, "")  # unrun: no fork on this platform
 
 
-def _outcome(fn, args) -> tuple:
+def _outcome(fn, args, stderr: int) -> tuple:
     """In the child: (("returned", value), ("declined", why, total) or ("raised", type name, message, traceback);
-    the installed modules the call imported)."""
+    the installed modules the call imported). Native code's stderr (file descriptor 2) goes to ``stderr``."""
+    os.dup2(stderr, 2)
     before = set(sys.modules)
     outcome = _run(fn, args)
     return outcome, [name for name in set(sys.modules) - before if _installed(sys.modules[name])]
+
+
+def _last_line(file) -> str:
+    """The last line written to ``file`` (at most its last 4 kB), stripped."""
+    file.seek(max(0, os.fstat(file.fileno()).st_size - 4096))
+    lines = file.read().decode("utf-8", "replace").strip().splitlines()
+    return lines[-1].strip() if lines else ""
 
 
 def _installed(module) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+_LATE: list[str] = []  # "triton" when it was imported before prepare() set TRITON_INTERPRET
 LIMITS = ("no TF32 (float32 dots are exact float32), no races (programs run one after another), the minimum tl.dot "
           "size is not enforced, out-of-bounds loads return host memory instead of faulting")
 
@@ -70,10 +71,12 @@ def _source_of(where: str, root: str | None) -> str:
 
 def prepare(where: str, root: str | None = None) -> None:
     """Before the module ``where`` names is imported (attn_spec.targets.loading): if it imports triton and torch
-    sees no CUDA device, set TRITON_INTERPRET=1 (a value the user set is kept)."""
-    if "TRITON_INTERPRET" not in os.environ and imports_triton(_source_of(where, root)) \
+    sees no CUDA device, set TRITON_INTERPRET=1 (a value the user set, 0 included, is kept)."""
+    if os.environ.get("TRITON_INTERPRET", "") == "" and imports_triton(_source_of(where, root)) \
             and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+        if "triton" in sys.modules:  # imported before (by the caller): its own @triton.jit helpers are compiled-mode
+            _LATE.append("triton")
 
 
 def runs(obj) -> str | None:
@@ -85,9 +88,11 @@ def runs(obj) -> str | None:
     where = getattr(module, "__file__", None)
     if not where or not imports_triton(_source_of(where, None)):
         return None
+    late = ("; triton was imported before the kit set TRITON_INTERPRET, so its own @triton.jit helpers (tl.max, "
+            "tl.sum) fail under the interpreter: set TRITON_INTERPRET=1 before importing triton" if _LATE else "")
     return (f"runtime: Triton's interpreter (TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}"
             f"{': no CUDA device' if not torch.cuda.is_available() else ''}), each call in a forked child (a "
-            f"kernel that corrupts memory kills only its case's call); it does not reproduce: {LIMITS}")
+            f"kernel that corrupts memory kills only its case's call); it does not reproduce: {LIMITS}{late}")
 
 
 @functools.lru_cache(maxsize=1)
