@@ -39,7 +39,7 @@ def main() -> None:
     for note in target.notes:
         if note.startswith(("runtime:", "bfloat16:")):
             print(note[:160] + ("…" if len(note) > 160 else ""))
-    counts = collections.Counter(r.status for r in target.properties)
+    counts = collections.Counter(getattr(r.status, "value", r.status) for r in target.properties)
     print(f"profile {args.profile}: {len(target.properties)} properties ({dict(counts)}), {target.calls} calls, "
           f"{wall:.1f} s wall, {cpu:.1f} s CPU in the kit's process ({wall / max(target.calls, 1):.3f} s a call)")
 
