@@ -42,6 +42,7 @@ from attn_spec.targets.record import differs, record
 # when a replay survives.
 UNREPLAYED = (TargetHung, TargetDied)
 
+
 class _Hung(KitSignal):
     """A call past its deadline, carried out of Hypothesis (a BaseException: it neither shrinks nor retries it)."""
 
