@@ -3,7 +3,8 @@
     AttnSpecError
     ├── Failure (also an AssertionError)   a property does not hold on the current case
     │   ├── TargetRaised                   ... because the target raised on a valid input
-    │   │   └── TargetHung                 ... or did not return within its deadline
+    │   │   ├── TargetHung                 ... or did not return within its deadline
+    │   │   └── TargetDied                 ... or killed the forked child its call ran in (a signal)
     │   └── NotDifferentiable              ... because its output carries no gradient (it is trained)
     ├── Unsupported                        the target declared or lacks what a property needs
     ├── Uninformative                      the case does not make the property's relation bite
@@ -77,6 +78,19 @@ class TargetHung(TargetRaised):
                          cause="the attention under test never returned on a valid input: an endless loop, a wait "
                                "for something that never comes, or far too slow (--call-timeout sets the deadline)")
         self.exc, self.user_traceback, self.seconds = exc, user_traceback, seconds
+
+
+class TargetDied(TargetRaised):
+    """A call run in a forked child (attn_spec.targets.forked) killed that process: ``signal`` is the signal's name
+    (SIGABRT, SIGSEGV), ``words`` the last line native code wrote to stderr before (glibc's "free(): invalid
+    pointer"); the kit's process and the rest of the check go on."""
+
+    def __init__(self, call: str, signal: str, likely: str, words: str = ""):
+        Failure.__init__(self, f"{call}: the process died: {signal}" + (f", likely {likely}" if likely else "")
+                         + (f" (its last words on stderr: {words!r})" if words else ""),
+                         cause="the attention under test killed the process it ran in on a valid input"
+                               + (f" ({likely})" if likely else ""))
+        self.exc, self.user_traceback, self.signal = None, "", signal
 
 
 class NotDifferentiable(Failure):

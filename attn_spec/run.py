@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.cases import available_devices
 from attn_spec.checking.platform import judge
-from attn_spec.checking.runner import blocker, check_target, finish, requirements, run_property
+from attn_spec.checking.runner import UNREPLAYED, blocker, check_target, finish, requirements, run_property
 from attn_spec.diagnosis.run import diagnose_one, diagnose_target
-from attn_spec.dtypes import DTYPES
-from attn_spec.errors import Failure, TargetHung
+from attn_spec.errors import Failure
 from attn_spec.report import PropertyResult, TargetReport
 from attn_spec.targets.base import Target
 from attn_spec.targets.behaviours import probe_behaviours
@@ -39,8 +38,8 @@ class Run:
     call_timeout: float | None = None  # seconds a call may take on a small case (attn_spec.targets.deadline)
 
     def dtypes_for(self, target: Target) -> list[str]:
-        """The dtypes given, else the target convention's own (hf: no float64), else all."""
-        return list(self.dtypes or target.default_dtypes or DTYPES)
+        """The dtypes given, else the target convention's own (hf: no float64), else all (Target.dtypes)."""
+        return target.dtypes(self.dtypes)
 
     def target(self, target: Target, props: list[Property], *, require=None, progress=None, exitfirst=False,
                expected=()) -> TargetReport:
@@ -74,7 +73,7 @@ class Run:
                 judge(prop, target, case)
         except Failure as failure:
             result = PropertyResult(prop.id, "fail", failure.message, cause=failure.cause, case=case)
-            result.hung = isinstance(failure, TargetHung)  # not replayed: it would wait out its deadline again
+            result.hung = isinstance(failure, UNREPLAYED)  # not replayed (checking.runner.UNREPLAYED)
             failure.diagnosis = diagnose_one(target, result, REGISTRY) if self.diagnose else None
             raise
 

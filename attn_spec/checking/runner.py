@@ -18,7 +18,7 @@ from hypothesis import reject
 from hypothesis.errors import Flaky, Unsatisfiable
 
 from attn_spec.targets.conventions import Target, conventions
-from attn_spec.checking.cases import DTYPES, available_devices
+from attn_spec.checking.cases import available_devices
 from attn_spec.checking.catalog import REGISTRY, Property
 from attn_spec.checking.counterexamples import counterexample
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
@@ -26,7 +26,7 @@ from attn_spec.targets.capabilities import (Supports, envelope, parse_capabiliti
                                           required, supports)
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
-from attn_spec.errors import Failure, KitSignal, PlatformDefect, TargetHung, Uninformative, Unsupported
+from attn_spec.errors import Failure, KitSignal, PlatformDefect, TargetDied, TargetHung, Uninformative, Unsupported
 from attn_spec.checking.assertions import counting
 from attn_spec.checking.platform import judge
 from attn_spec.report import PropertyResult, TargetReport
@@ -35,6 +35,12 @@ from attn_spec.checking.shrink import shrink
 from attn_spec.checking.strategies import get_profile
 from attn_spec.targets.integrity import CHANGED
 from attn_spec.targets.record import differs, record
+
+
+# Failures the diagnosis does not replay (``PropertyResult.hung``): a hang would wait out its deadline again; a dead
+# process (a heap corrupted by an out-of-bounds store aborts at some later free, not at every call) proves nothing
+# when a replay survives.
+UNREPLAYED = (TargetHung, TargetDied)
 
 
 class _Hung(KitSignal):
@@ -165,7 +171,7 @@ def run_property(prop: Property, target: Target, *, profile: str, seed: int, dty
     except (Failure, _Hung) as caught:
         failure = caught.failure if isinstance(caught, _Hung) else caught
         result.status, result.message, result.cause = "fail", failure.message, failure.cause
-        result.vacuous, result.hung = failure.vacuous, isinstance(failure, TargetHung)
+        result.vacuous, result.hung = failure.vacuous, isinstance(failure, UNREPLAYED)
         result.counterexample = counterexample(prop, failure, failure.attn_case, target, seed)
         result.case = failure.attn_case
     except Unsatisfiable:
@@ -262,7 +268,7 @@ def run_fixed(prop: Property, target: Target, rungs, seed: int, result: Property
             except Failure as failure:
                 result.status, result.message, result.cause = "fail", failure.message, failure.cause
                 result.message += f" (at {case.summary()})"
-                result.vacuous, result.case, result.hung = failure.vacuous, case, isinstance(failure, TargetHung)
+                result.vacuous, result.case, result.hung = failure.vacuous, case, isinstance(failure, UNREPLAYED)
                 result.found_after_calls = _calls_to(failure, target)
                 result.counterexample = counterexample(prop, failure, case, target, seed)
                 break
@@ -442,6 +448,12 @@ def applicable(props, target: Target) -> list:
             (target.is_attention and set(p.conventions) & attention)]
 
 
+def _notes(target) -> list[str]:
+    """The header's notes on how the target runs (Triton's interpreter), the dtypes its platform cannot run, and how
+    it is called (Target.notes)."""
+    return [*target.runtime] + [f"{name}: {why}" for name, why in target.left_out.items()] + target.notes()
+
+
 def _heads_note(target, props, results) -> list[str]:
     """For a multi-head module: which properties drew heads and weights and which ran one head (issue 23.5)."""
     if not (target.traits is not None and target.traits.multihead):
@@ -468,8 +480,8 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     failures, its output is captured, the global state it changes is restored after each call and
     listed in ``state_changes``. ``rungs``: at these fixed shapes only (attn_spec.checking.shapes)."""
     target.required = required(require)  # before the probes: a required capability's probe fails
-    report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=target.notes())
-    dtypes, devices = dtypes or list(target.default_dtypes or DTYPES), devices or available_devices()
+    report = TargetReport(target.name, target.convention, masks=list(target.masks), notes=_notes(target))
+    dtypes, devices = target.dtypes(dtypes), devices or available_devices()
     props = applicable(props, target)
     # Probed first: the cases drawn for each property are those the target takes (checking.fitting).
     if target.is_attention:
@@ -503,7 +515,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
 def finish(report: TargetReport, target: Target) -> TargetReport:
     """What the target's calls left, in its report (again after a diagnosis has replayed some)."""
     props = [REGISTRY[r.id] for r in report.properties if r.id in REGISTRY]
-    report.notes = target.notes() + _heads_note(target, props, report.properties)  # with what the calls taught
+    report.notes = _notes(target) + _heads_note(target, props, report.properties)  # with what the calls taught
     report.calls = target.calls
     report.inference_only = target.inference_only
     report.state_changes = target.state.notes()

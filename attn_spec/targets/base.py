@@ -12,11 +12,13 @@ import math
 import torch
 
 from attn_spec import vocabulary
+from attn_spec.dtypes import DTYPES
 from attn_spec.errors import KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.failures import fail, message
 from attn_spec.targets.detached import how_detached
 from attn_spec.targets.guard import StateGuard, passes_through
 from attn_spec.targets.integrity import not_plain
+from attn_spec.targets.forked import call_forked
 from attn_spec.targets.loading import raised_on_purpose, user_traceback
 
 
@@ -58,6 +60,8 @@ def _call(fn, args, call: str, state: StateGuard):
     ``state`` restores the global state the call changed. Autograd follows the caller's mode:
     off by default, on inside ``Target.vjp``.
     """
+    if state.in_child:  # a call that can kill the process (attn_spec.targets.forked): the same outcomes, from a child
+        return call_forked(fn, args, call, state)
     try:
         with state.call(call):
             return fn(*args)
@@ -165,6 +169,8 @@ class Target:
     default_masks = ("bool",)
     is_attention = True  # False for FlexAttention's mods and serving kernels: only their own properties apply
     default_dtypes = None  # the dtypes checked unless the user names some (None: all)
+    runtime: tuple[str, ...] = ()  # how its code runs, for the header (Triton's interpreter: targets.interpreter)
+    left_out: dict[str, str] = {}  # dtype -> why its platform cannot run it, left out of the check (set per instance)
     gqa_contract = ""  # where grouped K/V heads are part of the convention, what tells the target: then raising fails
     gqa_grouping = ""  # where the convention fixes which KV head each query head reads (hf: "blocked"), else probed
     required: frozenset = frozenset()  # the capabilities the user requires (--require), set before the probes
@@ -199,6 +205,11 @@ class Target:
         self.output: dict[str, dict] = {}  # phase before the checks (the import) -> captured output
         self.recorder = None  # set while a failure is replayed for its diagnosis (attn_spec.targets.record)
         self.platform_notes: dict = {}  # platform defects the kit's own formula showed on its calls (checking.platform)
+
+    def dtypes(self, given=None) -> list[str]:
+        """The dtypes checked: ``given``, else the convention's own (hf: no float64), else all; less those its
+        platform cannot run (``left_out``)."""
+        return [name for name in given or self.default_dtypes or DTYPES if name not in self.left_out]
 
     def fresh_instances(self) -> None:
         """Forget built module instances (a module keeping state between calls starts afresh); no-op here."""

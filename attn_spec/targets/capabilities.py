@@ -187,7 +187,9 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
     found = _masks(target, base, device)
     masked = found["unmasked"][0] != "yes" and found["mask"][0] in ("yes", "causal-only")
     for name, call in _probes(target, base, device, masked).items():
-        if name in DTYPES and name not in dtypes:
+        if name in getattr(target, "left_out", {}):  # its platform cannot run it (Target.left_out): not checked
+            found[name] = ("no", target.left_out[name])
+        elif name in DTYPES and name not in dtypes:
             found[name] = ("unchecked", "not among the dtypes checked (--dtypes)")
         elif name == "gqa" and target.convention not in conventions(kind="attention", multihead=False):
             found[name] = ("n/a", f"the {target.convention} convention has no head dims to group")

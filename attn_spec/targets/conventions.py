@@ -45,7 +45,7 @@ base.py.
 from __future__ import annotations
 
 from attn_spec.errors import KitUsageError, TargetHung, TargetLoadError
-from attn_spec.targets import base
+from attn_spec.targets import base, interpreter
 from attn_spec.targets.base import (  # noqa: F401 - the conventions' vocabulary, imported from here too
     CLASSES, MASK_FORMS, PROJECTIONS, Target, _call, check_output, convention_class, conventions, parameter_names,
     parse_masks, positional_capacity)
@@ -111,6 +111,10 @@ def make_target(obj, name: str | None = None, convention: str | None = None, mas
         given.setdefault("layout", None)
     target = cls.build(obj, name, masks=masks, inference_only=inference_only, state=state, **given)
     target.state = state or target.state
+    runtime = interpreter.runs(obj)
+    if runtime:  # a Triton kernel under the interpreter: each call in a forked child, the interpreter probed
+        target.runtime, target.state.in_child = (runtime,), True
+        target.left_out = interpreter.platform()
     if "layout" in cls.traits.keywords and layout is None:
         with capture() as output:
             target.detect_layout()  # two tiny calls, under the target's guard

@@ -155,6 +155,7 @@ class StateGuard:
         self.tampered: dict[str, tuple[str, str]] = {}
         self.kit = Snapshot()  # torch and the kit as they were when the kit got the target
         self.outputs = Outputs()  # the last output it returned, to compare after the next call
+        self.in_child = False  # each call runs in a forked child (a kernel under Triton's interpreter: attn_spec.targets.forked)
 
     def verify(self, when: str) -> list[str]:
         """Undo whatever the target replaced in torch or the kit since the snapshot (``when``: "at import",

@@ -1,4 +1,7 @@
-"""Turn ``path/to/file.py:name`` or ``package.module:name`` into the user's object."""
+"""Turn ``path/to/file.py:name`` or ``package.module:name`` into the user's object.
+
+A module that imports triton, on a machine without a CUDA device, is imported under Triton's interpreter
+(attn_spec.targets.interpreter)."""
 from __future__ import annotations
 
 import dis
@@ -13,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 from attn_spec.errors import TargetLoadError
+from attn_spec.targets import interpreter
 from attn_spec.targets.guard import passes_through
 from attn_spec.targets.tracebacks import user_traceback
 
@@ -20,7 +24,7 @@ FORMAT_HINT = "A TARGET looks like path/to/file.py:name or package.module:name."
 
 
 @functools.lru_cache(maxsize=1)
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> tuple[str, ...]:
     """Where installed code lives: the standard library, site-packages, torch and the kit itself."""
     import torch
 
@@ -43,7 +47,7 @@ def raised_on_purpose(exc: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
-    if os.path.realpath(code.co_filename).startswith(_library_dirs()) or code.co_filename.startswith("<frozen"):
+    if os.path.realpath(code.co_filename).startswith(library_dirs()) or code.co_filename.startswith("<frozen"):
         return False
     return any(i.offset == tb.tb_lasti and i.opname.startswith("RAISE") for i in dis.get_instructions(code))
 
@@ -98,6 +102,7 @@ def load_target(spec: str, root: str | None = None):
     dont_write = sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # leave no __pycache__ beside the user's file
     try:
+        interpreter.prepare(where, root)  # a Triton kernel without a GPU: its interpreter, set before the import
         module = _import(where, root)
     except TargetLoadError:
         raise

@@ -35,6 +35,7 @@ from attn_spec.failures import fail
 from attn_spec.grading.isolation import diagnosis, hidden, wire
 from attn_spec.grading.isolation.wire import BROKEN
 from attn_spec.grading.isolation.scan import scan
+from attn_spec.targets import interpreter
 from attn_spec.targets.integrity import not_plain
 from attn_spec.targets.loading import user_traceback
 
@@ -270,6 +271,7 @@ def _load(config: dict) -> dict:
     sys.dont_write_bytecode = True
     try:
         name = config.get("module", "submission")  # check --isolate: the file's own stem
+        interpreter.prepare(os.path.join(scratch, entry))  # a Triton kernel without a GPU: under its interpreter
         spec = importlib.util.spec_from_file_location(name, os.path.join(scratch, entry))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
