@@ -22,8 +22,7 @@ from attn_spec.checking.tolerance import lse_budget
 from attn_spec.errors import Uninformative, Unsupported
 from attn_spec.properties.decode import decode_inputs
 from attn_spec.properties.varlen import AT_SCALE, _call_text, option_sets, packed, packed_inputs, run
-from attn_spec.targets.serving_decode import decode_reference
-from attn_spec.targets.serving_varlen import segment_mask, varlen_reference
+from attn_spec.serving_reference import decode_reference, segment_mask, varlen_reference
 
 F64 = torch.float64
 # grouped from batch dim 1 on: decode's B stays a batch dim, varlen reads every dim as heads either way

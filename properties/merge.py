@@ -17,7 +17,7 @@ from attn_spec.checking.assertions import assert_within, fail
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error
-from attn_spec.targets.serving_merge import merge_reference
+from attn_spec.serving_reference import merge_reference
 
 F64 = torch.float64
 MERGE_CASES = {"masks": ("none",)}

@@ -17,7 +17,8 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import _values
 from attn_spec.checking.tolerance import budget, softcap_budget
 from attn_spec.errors import Uninformative
-from attn_spec.targets.serving_varlen import cu_seqlens, segment_mask, varlen_reference
+from attn_spec.serving_reference import segment_mask, varlen_reference
+from attn_spec.targets.serving_varlen import cu_seqlens
 
 F64 = torch.float64
 VARLEN_CASES = {"masks": ("none",), "batch": True, "same_width": True, "segments": True, "grouped": 0}

@@ -18,8 +18,7 @@ from attn_spec import reference
 from attn_spec.diagnosis.model import MISTAKES, Mistake, mistake
 from attn_spec.diagnosis.roots import Diagnosis
 from attn_spec.diagnosis.serving_correct import CORRECT, correct_decode, correct_merge, correct_varlen, element
-from attn_spec.targets.serving_decode import gather_pages, scatter_pages
-from attn_spec.targets.serving_varlen import varlen_reference
+from attn_spec.serving_reference import gather_pages, scatter_pages, varlen_reference
 
 
 def outputs(m: Mistake, c) -> dict:

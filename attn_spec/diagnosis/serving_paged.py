@@ -12,7 +12,7 @@ import torch
 
 from attn_spec.diagnosis.model import mistake
 from attn_spec.diagnosis.serving_correct import correct_decode, decoded, element
-from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.serving_reference import decode_reference
 
 
 def paged_mistake(id: str, **words):
