@@ -214,7 +214,7 @@ def _ex_strided() -> str:
 def _ex_gqa() -> str:
     q = torch.stack([Q, Q.flip(0)])  # [Hq=2, 2, 2]
     k, v = K[None], V[None]  # [Hkv=1, 2, 2]
-    out = reference.attention(q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0))[0]
+    out = reference.attention(q, reference.repeat_kv(k, 2), reference.repeat_kv(v, 2))[0]
     return "\n".join(_inputs() + ["2 query heads [Q, Q flipped] share 1 K/V head (g = 2)",
                                   _m("out, head 0 and head 1", out) + "   (each head reads KV head h // g = 0)"])
 
