@@ -46,10 +46,10 @@ def partial_states(case):
     for i in torch.randperm(n_parts, generator=gen).tolist():  # in shuffled order
         allowed = (owner == i)[None, None, :].expand_as(scores)  # [H, T, n_kv]
         out, _ = reference.attention(q, k, v, allowed)  # [H, T, D]; 0 for an empty part
-        lse = torch.logsumexp(scores.masked_fill(~allowed, -math.inf), dim=-1)  # [H, T]; -inf for an empty part
+        lse = reference.lse(reference.masked(scores, allowed))  # [H, T]; -inf for an empty part
         parts.append((out.transpose(0, 1), lse.t()))  # [T, H, D], [T, H]
     full, _ = reference.attention(q, k, v)
-    return parts, (full.transpose(0, 1), torch.logsumexp(scores, dim=-1).t())
+    return parts, (full.transpose(0, 1), reference.lse(scores).t())
 
 
 def _in_kernel_form(part, case, base):
