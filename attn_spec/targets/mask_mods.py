@@ -93,7 +93,7 @@ def _part(name, arg, i, j):
     if name in ("causal", "sliding-window"):  # the kit's rule, top-left: i - w < j <= i
         return visible(i[:, 0], j.shape[-1], window=arg if name == "sliding-window" else None)
     if name == "prefix-lm":
-        return (j <= i) | (j < arg)
+        return visible(i[:, 0], j.shape[-1]) | (j < arg)
     return arg[i] == arg[j]  # document
 
 
