@@ -12,7 +12,12 @@ Shapes use one vocabulary: ``...`` leading batch/head dims, ``Tq`` queries, ``Tk
 Conventions pinned here (a target's own choices are probed and reported, not assumed):
 - bool mask: True = may attend; a float mask is added to the scaled scores (it is not scaled);
 - causal: query i sees key j when j <= i (top-left), or j <= i + Tk - Tq (bottom-right);
-- a row with no allowed key gets all-zero weights, hence a zero output row.
+- a row with no allowed key gets all-zero weights, hence a zero output row, and LSE -inf.
+
+The rules of attention the rest of the kit calls rather than restates are here, once: which keys a query may
+attend (``key_offset``, ``visible``, ``causal_mask``), folding a mask with that pattern (``fold``), grouped K/V
+heads (``repeat_kv``: query head h reads K/V head h // g), the LSE (``lse``, ``lse_weights``). The serving
+kernels' references loop over them (attn_spec.serving_reference); the error budget is checking.tolerance.earned.
 
 It is differentiable (in float64, on the CPU; gradients flow back to the inputs' dtype and
 device), so the reference is itself a conforming target, ``gradients`` included.

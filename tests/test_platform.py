@@ -164,8 +164,9 @@ def test_the_issues_case_on_this_cpu_is_a_platform_note(capsys):
 
 @pytest.mark.parametrize("form", ["Q scaled first", "scores scaled"])
 def test_the_snippets_own_formula_is_the_reference_s_rules(form):
-    """The reproduce snippet runs without the kit, so it writes attention out; its text is checked here against
-    reference.py's rules: grouped K/V heads (query head h reads K/V head h // g, reference.repeat_kv) and a bool
+    """The reproduce snippet runs without the kit, so it writes attention out; its text (and the control's formula,
+    which reads grouped heads through views to keep the target's layout) is checked here against reference.py's
+    rules: grouped K/V heads (query head h reads K/V head h // g, reference.repeat_kv) and a bool
     mask with a row that sees no key (the snippet's NaN there is judged as the reference's free row)."""
     from attn_spec.checking import platform_snippet as snippet
     from attn_spec.reference import attention, repeat_kv
@@ -188,3 +189,5 @@ def test_the_snippets_own_formula_is_the_reference_s_rules(form):
     torch.testing.assert_close(got[..., 1:, :], want[..., 1:, :], rtol=0, atol=1e-12)
     tiled = attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), mask, scale=scale)[0]
     assert (got[..., 1:, :] - tiled[..., 1:, :]).abs().max() > 1e-3  # the check tells blocked from tiled
+    kits = platform.formula(form)(q, k, v, mask, scale=scale)  # the control's formula: grouped through views
+    torch.testing.assert_close(kits[..., 1:, :], want[..., 1:, :], rtol=0, atol=1e-12)
