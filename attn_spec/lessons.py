@@ -214,7 +214,7 @@ def _ex_strided() -> str:
 def _ex_gqa() -> str:
     q = torch.stack([Q, Q.flip(0)])  # [Hq=2, 2, 2]
     k, v = K[None], V[None]  # [Hkv=1, 2, 2]
-    out = reference.attention(q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0))[0]
+    out = reference.attention(q, reference.repeat_kv(k, 2), reference.repeat_kv(v, 2))[0]
     return "\n".join(_inputs() + ["2 query heads [Q, Q flipped] share 1 K/V head (g = 2)",
                                   _m("out, head 0 and head 1", out) + "   (each head reads KV head h // g = 0)"])
 
@@ -320,7 +320,7 @@ def _ex_dropout() -> str:
                        _m("one draw of dropout_p = 0.25: kept weights are 0.25 / (1 - 0.25) = 1/3",
                           kept.to(F64) * (0.25 / 0.75))])
 def _ex_varlen() -> str:
-    from attn_spec.targets.serving_varlen import segment_mask, varlen_reference
+    from attn_spec.serving_reference import segment_mask, varlen_reference
 
     mask = torch.zeros(3, 5, dtype=F64)  # a packed batch: sequence 0 is 2 queries over 3 keys, sequence 1 is 1 over 2
     mask[:2, :3], mask[2:, 3:] = segment_mask(2, 3, causal=True).double(), segment_mask(1, 2, causal=True).double()

@@ -12,7 +12,12 @@ Shapes use one vocabulary: ``...`` leading batch/head dims, ``Tq`` queries, ``Tk
 Conventions pinned here (a target's own choices are probed and reported, not assumed):
 - bool mask: True = may attend; a float mask is added to the scaled scores (it is not scaled);
 - causal: query i sees key j when j <= i (top-left), or j <= i + Tk - Tq (bottom-right);
-- a row with no allowed key gets all-zero weights, hence a zero output row.
+- a row with no allowed key gets all-zero weights, hence a zero output row, and LSE -inf.
+
+The rules of attention the rest of the kit calls rather than restates are here, once: which keys a query may
+attend (``key_offset``, ``visible``, ``causal_mask``), folding a mask with that pattern (``fold``), grouped K/V
+heads (``repeat_kv``: query head h reads K/V head h // g), the LSE (``lse``, ``lse_weights``). The serving
+kernels' references loop over them (attn_spec.serving_reference); the error budget is checking.tolerance.earned.
 
 It is differentiable (in float64, on the CPU; gradients flow back to the inputs' dtype and
 device), so the reference is itself a conforming target, ``gradients`` included.
@@ -26,28 +31,68 @@ import torch
 F64 = torch.float64
 
 
+def key_offset(n_q: int, n_kv: int, alignment: str = "top-left") -> int:
+    """Where query row i sits among the keys: at key position p = i + offset, offset = 0 aligned top-left (PyTorch's
+    ``is_causal``) or n_kv - n_q bottom-right (flash-attn: the last query sees the last key). Varlen and decode
+    take it per sequence, with that sequence's n_q and n_kv."""
+    return 0 if alignment == "top-left" else n_kv - n_q
+
+
+def visible(positions: torch.Tensor, n_kv: int, *, window=None, ahead=0) -> torch.Tensor:
+    """Bool [len(positions), Tk]: the query at key position p may attend key j when
+
+        j <= p + ahead   (causal: ahead = 0; None: no bound)   and   p - w < j   (a window of w keys; None: no bound)
+
+    flash-attn's window_size (left, right) is w = left + 1, ahead = right. On the device of ``positions``."""
+    p = positions[:, None]  # [Tq, 1]
+    j = torch.arange(n_kv, device=positions.device)[None, :]  # [1, Tk]
+    allowed = torch.ones(len(positions), n_kv, dtype=torch.bool, device=positions.device) if ahead is None \
+        else j <= p + ahead  # [Tq, Tk]
+    return allowed if window is None else allowed & (j > p - window)
+
+
 def causal_mask(n_q: int, n_kv: int, *, alignment: str = "top-left", device=None, window=None) -> torch.Tensor:
-    """Bool mask [Tq, Tk], True where query i may attend key j (and, with a window of w keys, i - w < j)."""
-    offset = 0 if alignment == "top-left" else n_kv - n_q
-    i = torch.arange(n_q, device=device)[:, None] + offset  # [Tq, 1]
-    j = torch.arange(n_kv, device=device)[None, :]  # [1, Tk]
-    return (j <= i) if window is None else (j <= i) & (j > i - window)  # [Tq, Tk]
+    """Bool mask [Tq, Tk], True where query i may attend key j: j <= i + offset (and, with a window of w keys,
+    i + offset - w < j)."""
+    return visible(torch.arange(n_q, device=device) + key_offset(n_q, n_kv, alignment), n_kv, window=window)
 
 
 def keyless_rows(n_q: int, n_kv: int, *, alignment: str = "top-left") -> torch.Tensor:
     """Bool [Tq]: the rows of ``causal_mask`` without an allowed key (bottom-right with n_q > n_kv: the first
     n_q - n_kv), in O(n) rather than from the [Tq, Tk] mask."""
-    offset = 0 if alignment == "top-left" else n_kv - n_q
-    return (torch.arange(n_q) + offset < 0) | (n_kv == 0)  # row i's last key is i + offset
+    return (torch.arange(n_q) + key_offset(n_q, n_kv, alignment) < 0) | (n_kv == 0)  # row i's last key is i + offset
+
+
+def fold(mask, allowed: torch.Tensor):
+    """``mask`` (bool, float or None) restricted to the keys ``allowed`` (bool) lets each query see: a bool mask is
+    and-ed with it, a float mask gets -inf where a key is not allowed. On ``allowed``'s device."""
+    if mask is None:
+        return allowed
+    mask = mask.to(allowed.device)
+    return allowed & mask if mask.dtype == torch.bool else mask.masked_fill(~allowed, -math.inf)
 
 
 def fold_causal(mask, n_q: int, n_kv: int, window=None):
-    """``mask`` (bool, float or None) with the causal pattern folded in (and a window of w keys, if any):
-    a call's ``is_causal``/``window`` written as its mask."""
-    tril = causal_mask(n_q, n_kv, window=window)  # [Tq, Tk]: causal, and within the window if any
-    if mask is None:
-        return tril
-    return tril & mask if mask.dtype == torch.bool else mask.masked_fill(~tril, -math.inf)
+    """``mask`` with the causal pattern (top-left; within a window of w keys, if any) folded in: a call's
+    ``is_causal``/``window`` written as its mask."""
+    return fold(mask, causal_mask(n_q, n_kv, window=window, device=None if mask is None else mask.device))
+
+
+def repeat_kv(t: torch.Tensor, group: int, dim: int = -3) -> torch.Tensor:
+    """Grouped K/V heads read by the query heads: each of the H_kv heads along ``dim`` repeated g = H / H_kv times,
+    so query head h reads K/V head h // g (Llama's repeat_kv, SDPA's enable_gqa, flash-attn)."""
+    return t.repeat_interleave(group, dim=dim)
+
+
+def lse(scores: torch.Tensor) -> torch.Tensor:
+    """log sum_j exp(s_j) over the keys, [..., Tq] from [..., Tq, Tk]: -inf for a row with no allowed key (the empty
+    set's value, neutral in a merge: logaddexp(x, -inf) = x)."""
+    return torch.logsumexp(scores, dim=-1)
+
+
+def lse_weights(scores: torch.Tensor, row_lse: torch.Tensor) -> torch.Tensor:
+    """The softmax weights exp(s_j - lse) [..., Tq, Tk] from a row's LSE; a row with no allowed key gets zeros."""
+    return torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
 
 
 def masked(scores, mask, fill=-math.inf):

@@ -59,7 +59,7 @@ def last_rows_reference(q, k_full, v_full, b, start, end):
     """Element b's S queries as the last S of its sequence over keys [start, end): (q, k, v [H, ., D], out64); grouped
     K/V heads repeated to the query heads (head h reads K/V head h // g)."""
     group = q.shape[2] // k_full.shape[2]
-    k_b, v_b = (t[b, start:end].repeat_interleave(group, 1).transpose(0, 1) for t in (k_full, v_full))  # [H, L, D]
+    k_b, v_b = (reference.repeat_kv(t[b, start:end], group, 1).transpose(0, 1) for t in (k_full, v_full))  # [H, L, D]
     q_b = q[b].transpose(0, 1)  # [H, S, D]
     out, _ = reference.attention(q_b, k_b, v_b, causal=True, causal_alignment="bottom-right")  # [H, S, D]
     return q_b, k_b, v_b, out

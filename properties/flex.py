@@ -10,7 +10,7 @@ import torch
 
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error
+from attn_spec.checking.tolerance import FACTOR, earned, eps, max_error
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import Unsupported
 from attn_spec.targets.mask_mods import DIAGONAL, MASK_FORMS, SCORE_FORMS, alibi_slopes, inferred_heads
@@ -117,8 +117,7 @@ def _grid(B, H, n_q, n_kv, span, seed):
 def _budget(naive, expected) -> float:
     """The same-dtype statement's own error, times FACTOR, plus a floor of FLOOR_ULPS ulps of the scores."""
     err = max_error(naive, expected)
-    return FACTOR * (err if err < float("inf") else 0.0) + FLOOR_ULPS * eps(naive.dtype) * max(
-        1.0, expected.abs().max().item())
+    return earned(err if err < float("inf") else 0.0, eps(naive.dtype) * max(1.0, expected.abs().max().item()))
 
 
 def _softcap(target, scores, cap, dtype):
@@ -213,7 +212,7 @@ def _relative_bias(target, scores, dtype):
     subtraction of numbers as large as the scores and the bias: the budget is FACTOR x FLOOR_ULPS ulps of those."""
     bias = target.scores(scores.to(dtype)).double() - scores  # [B, H, Tq, Tk]
     moved = target.scores((scores + 1.5).to(dtype)).double() - (scores + 1.5)
-    allowed = FACTOR * FLOOR_ULPS * eps(dtype) * max(1.0, scores.abs().max().item(), bias.abs().max().item())
+    allowed = FACTOR * earned(0.0, eps(dtype) * max(1.0, scores.abs().max().item(), bias.abs().max().item()))
     sizes = tuple(bias.shape)
     if max_error(moved, bias) > allowed:
         _fail(f"max difference {max_error(moved, bias):.3g}", "score_mod(s + 1.5) - (s + 1.5) against score_mod(s) - s",

@@ -22,8 +22,8 @@ from attn_spec.checking.tolerance import lse_budget
 from attn_spec.errors import Uninformative, Unsupported
 from attn_spec.properties.decode import decode_inputs
 from attn_spec.properties.varlen import AT_SCALE, _call_text, option_sets, packed, packed_inputs, run
-from attn_spec.targets.serving_decode import decode_reference
-from attn_spec.targets.serving_varlen import segment_mask, varlen_reference
+from attn_spec.reference import causal_mask, repeat_kv
+from attn_spec.serving_reference import decode_reference, segment_mask, varlen_reference
 
 F64 = torch.float64
 # grouped from batch dim 1 on: decode's B stays a batch dim, varlen reads every dim as heads either way
@@ -142,7 +142,7 @@ def decode_lse(target, case):
                     torch.cat([lengths, lengths.new_zeros(1)]), appended=False, causal=False)
     else:
         decode_call(target, q, k_full, v_full, lengths, appended=False, causal=False)
-    scores = torch.cat([torch.einsum("shd,lhd->hsl", q[b].to(F64), k_full[b, :n].to(F64).repeat_interleave(group, 1))
+    scores = torch.cat([torch.einsum("shd,lhd->hsl", q[b].to(F64), repeat_kv(k_full[b, :n].to(F64), group, 1))
                         .flatten() for b, n in enumerate(lengths.tolist())]) / math.sqrt(q.shape[-1])  # attended
     large = to_large_scores(q, scores)
     if large is not None:
@@ -168,9 +168,9 @@ def decode_call(target, q, k_full, v_full, seqlens, *, appended, causal, label="
     got = lse.to("cpu", F64) * ln_base(target)  # [B, H, S]
     ends = seqlens + (S if appended else 0)
     for b, L in enumerate(ends.tolist()):
-        keys = k_full[b, :L].to("cpu").repeat_interleave(H // k_full.shape[2], 1).transpose(0, 1)  # [H, L, D]
+        keys = repeat_kv(k_full[b, :L].to("cpu"), H // k_full.shape[2], 1).transpose(0, 1)  # [H, L, D]
         allowed = torch.ones(S, L, dtype=torch.bool) if not causal else \
-            torch.arange(L)[None, :] <= torch.arange(S)[:, None] + (L - S)  # [S, L], bottom-right
+            causal_mask(S, L, alignment="bottom-right")  # [S, L]
         judge_rows(got[b], ref[b], q[b].to("cpu").transpose(0, 1), keys, allowed, target=target, call=call,
                    what=f"element {b}: {L} keys, {S} queries{', ' + words if words else ''}", lse_dtype=lse.dtype)
 
@@ -202,7 +202,7 @@ def _segment_scores(args, b):
     """The scaled float64 scores [H, n_q, n_k] of sequence b."""
     q, k, _, cu_q, cu_k = args[:5]
     q_b = q[int(cu_q[b]):int(cu_q[b + 1])].to(F64).transpose(0, 1)  # [H, n_q, D]
-    k_b = k[int(cu_k[b]):int(cu_k[b + 1])].to(F64).repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(0, 1)
+    k_b = repeat_kv(k[int(cu_k[b]):int(cu_k[b + 1])].to(F64), q.shape[1] // k.shape[1], 1).transpose(0, 1)
     return q_b @ k_b.transpose(1, 2) / math.sqrt(q.shape[-1])
 
 
@@ -217,7 +217,7 @@ def varlen_call(target, args, options, label=""):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         if rows.stop == rows.start:
             continue
-        k_b = k[keys].to("cpu").repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(0, 1)  # [H, n_k, D]
+        k_b = repeat_kv(k[keys].to("cpu"), q.shape[1] // k.shape[1], 1).transpose(0, 1)  # [H, n_k, D]
         allowed = segment_mask(rows.stop - rows.start, k_b.shape[1], causal=options.get("causal", False),
                                window=options.get("window"))  # [n_q, n_k]
         words = ", ".join(w for w in (", ".join(f"{key}={value}" for key, value in options.items()), label) if w)

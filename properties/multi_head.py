@@ -206,7 +206,7 @@ def _repeat_heads(t, group, grouping):
     """K or V [..., Hkv, T, D] -> [..., g * Hkv, T, D] in the grouping: tile [h0, h1, h0, h1], else blocked [h0, h0, h1, h1]."""
     if grouping == "tile":
         return t.repeat(*[1] * (t.dim() - 3), group, 1, 1)
-    return t.repeat_interleave(group, dim=-3)
+    return reference.repeat_kv(t, group)
 
 
 def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping, contract=False) -> str:

@@ -17,7 +17,9 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import _values
 from attn_spec.checking.tolerance import budget, softcap_budget
 from attn_spec.errors import Uninformative
-from attn_spec.targets.serving_varlen import cu_seqlens, segment_mask, varlen_reference
+from attn_spec.reference import repeat_kv
+from attn_spec.serving_reference import segment_mask, varlen_reference
+from attn_spec.targets.serving_varlen import cu_seqlens
 
 F64 = torch.float64
 VARLEN_CASES = {"masks": ("none",), "batch": True, "same_width": True, "segments": True, "grouped": 0}
@@ -92,7 +94,7 @@ def judge_segments(target, out, args, options, call: str) -> None:
         if rows.stop == rows.start:
             continue
         q_b = q[rows].transpose(0, 1)  # [H, n_q, D]
-        k_b, v_b = (t[keys].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))  # [H, n_k, D]
+        k_b, v_b = (repeat_kv(t[keys], group, 1).transpose(0, 1) for t in (k, v))  # [H, n_k, D]
         allowed = segment_mask(q_b.shape[1], k_b.shape[1], causal=options.get("causal", False),
                                window=options.get("window"))  # [n_q, n_k]
         seen = allowed.any(dim=-1)  # [n_q]: rows with a key; the others must be 0

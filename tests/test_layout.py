@@ -205,3 +205,75 @@ def test_the_plugin_runs_through_the_run_object_and_imports_nothing_private():
     assert from_runner <= {"applicable"}  # which properties a target gets; running them is Run's
     users = [name for name in ("attn_spec.api", "attn_spec.properties") if "attn_spec.run" in _graph()[name]]
     assert users == ["attn_spec.api", "attn_spec.properties"]
+
+
+# Each rule of attention is written once (attn_spec/reference.py, the budget in checking/tolerance.py) and called
+# everywhere else. Code that models a wrong rule on purpose (a function named for a mistake, or registered by a
+# ``mistake`` decorator) is left out: it must spell the rule it gets wrong.
+RULES = {  # rule -> (the pattern that spells it in code, the one file allowed to)
+    "K/V grouping (h // g)": (r"\.repeat_interleave\(", "attn_spec/reference.py"),
+    "the causal offset": (r"\b(n_kv|n_k|Tk)\s*-\s*(n_q|Tq)\b|shape\[-2\]\s*-\s*n_q\b|\(L - S\)",
+                          "attn_spec/reference.py"),
+    "which keys a query sees": (r"\bj\s*(<=|>)\s*i\b|\[None, :\]\s*(<=|>)|\.tril\(", "attn_spec/reference.py"),
+    "the earned budget": (r"\bFLOOR_ULPS\b", "attn_spec/checking/tolerance.py"),
+}
+
+
+def _restated(source: str, pattern: str) -> list[int]:
+    """The lines whose code (strings and comments left out) matches ``pattern``, outside mistake models."""
+    import io
+    import re
+    import tokenize
+
+    exempt = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                "mistake" in node.name or any("mistake" in ast.unparse(d) for d in node.decorator_list)):
+            exempt |= set(range(node.lineno, node.end_lineno + 1))
+    lines = [list(line) for line in source.splitlines()]
+    words = {tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in words:  # blanked where it stands, so the code around it keeps its columns
+            for row in range(tok.start[0], tok.end[0] + 1):
+                line = lines[row - 1]
+                start, end = tok.start[1] if row == tok.start[0] else 0, tok.end[1] if row == tok.end[0] else len(line)
+                line[start:end] = " " * (end - start)
+    return [n for n, line in enumerate(map("".join, lines), 1) if n not in exempt and re.search(pattern, line)]
+
+
+def test_each_rule_of_attention_is_written_once():
+    found = []
+    for path in sorted((ROOT / "attn_spec").rglob("*.py")) + sorted((ROOT / "properties").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        source = path.read_text(encoding="utf-8")
+        found += [f"{rule}: {where}:{n}" for rule, (pattern, home) in RULES.items() if where != home
+                  for n in _restated(source, pattern)]
+    assert found == [], "call attn_spec.reference / checking.tolerance.earned instead of restating the rule"
+
+
+def test_the_rule_checker_finds_a_restated_rule_and_spares_a_mistake_model():
+    source = '''
+def grouped(k, g):
+    return k.repeat_interleave(g, dim=-3)  # "k.repeat_interleave" in a comment is not code
+
+
+def allowed(n_q, n_kv, device):
+    offset = n_kv - n_q
+    return torch.arange(n_kv, device=device)[None, :] <= torch.arange(n_q)[:, None] + offset
+
+
+def budget(naive, unit):
+    return FACTOR * naive + FLOOR_ULPS * unit
+
+
+@mistake("causal-off-by-one")
+def off_by_one(i, j):
+    return j <= i - 1
+
+
+def words():
+    return "j <= i + n_kv - n_q, FLOOR_ULPS"
+'''
+    hits = {rule: _restated(source, pattern) for rule, (pattern, _) in RULES.items()}
+    assert hits == {"K/V grouping (h // g)": [3], "the causal offset": [7], "which keys a query sees": [8],
+                    "the earned budget": [12]}

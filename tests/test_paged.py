@@ -10,7 +10,7 @@ import attn_spec
 from attn_spec.cli import main
 from attn_spec.targets.conventions import make_target
 from attn_spec.targets.loading import load_target
-from attn_spec.targets.serving_decode import decode_reference, gather_pages
+from attn_spec.serving_reference import decode_reference, gather_pages
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 examples_paged = load_target(f"{EXAMPLES / 'serving_kernels.py'}:paged_decode_kernel")

@@ -160,3 +160,34 @@ def test_the_issues_case_on_this_cpu_is_a_platform_note(capsys):
     attn_spec.reproduce("non-contiguous", SEED, Case(n_q=17, n_kv=5, d_k=59, d_v=4, dtype="bfloat16",
                                                      values="normal", seed=1))
     assert "platform defect, not the target's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("form", ["Q scaled first", "scores scaled"])
+def test_the_snippets_own_formula_is_the_reference_s_rules(form):
+    """The reproduce snippet runs without the kit, so it writes attention out; its text (and the control's formula,
+    which reads grouped heads through views to keep the target's layout) is checked here against reference.py's
+    rules: grouped K/V heads (query head h reads K/V head h // g, reference.repeat_kv) and a bool
+    mask with a row that sees no key (the snippet's NaN there is judged as the reference's free row)."""
+    from attn_spec.checking import platform_snippet as snippet
+    from attn_spec.reference import attention, repeat_kv
+
+    scale = 0.5
+    scores = f"(q * {scale!r}) @ k.transpose(-2, -1)" if form == "Q scaled first" else \
+        f"q @ k.transpose(-2, -1) * {scale!r}"
+    code = snippet.HEAD + snippet.ATTENTION.format(form=form, scores=scores, cap="",
+                                                   tail=snippet.TAILS["exp" if form == "Q scaled first" else "softmax"])
+    namespace = {}
+    exec(compile(code, "<snippet>", "exec"), namespace)  # noqa: S102 - the kit's own template
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 3, 2, generator=g, dtype=torch.float64)  # [B, H = 4, Tq, D]
+    k, v = (torch.randn(1, 2, 5, 2, generator=g, dtype=torch.float64) for _ in range(2))  # H_kv = 2
+    mask = torch.rand(1, 4, 3, 5, generator=g) > 0.4  # [B, H, Tq, Tk]
+    mask[..., 0, :] = False  # row 0 sees no key
+    got = namespace["attention"](q, k, v, mask)
+    want = attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=scale)[0]
+    assert got[..., 0, :].isnan().all()  # the plain formula's 0/0, where the reference gives 0
+    torch.testing.assert_close(got[..., 1:, :], want[..., 1:, :], rtol=0, atol=1e-12)
+    tiled = attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), mask, scale=scale)[0]
+    assert (got[..., 1:, :] - tiled[..., 1:, :]).abs().max() > 1e-3  # the check tells blocked from tiled
+    kits = platform.formula(form)(q, k, v, mask, scale=scale)  # the control's formula: grouped through views
+    torch.testing.assert_close(kits[..., 1:, :], want[..., 1:, :], rtol=0, atol=1e-12)

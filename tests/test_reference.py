@@ -344,3 +344,100 @@ def test_exact_oracle_tells_float32_from_float64():
     naive32 = torch.softmax(q @ k.T / math.sqrt(3), dim=-1) @ v  # [Tq, Dv]
     exact = exact_attention(q, k, v)  # the float32 inputs, exactly
     assert (naive32.double() - exact).abs().max().item() > 1000 * error_bound(q.double(), k.double(), v.double())
+
+
+# ------------------------------------------------------------------ the rules every part of the kit calls
+
+
+def _bools(rows):
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def test_which_keys_a_query_sees_alignment_and_window():
+    """Query i sits at key position i + offset (offset 0 top-left, n_kv - n_q bottom-right) and sees key j when
+    j <= i + offset and, with a window of w keys, i + offset - w < j."""
+    from attn_spec.reference import key_offset, keyless_rows, visible
+
+    assert (key_offset(2, 4), key_offset(2, 4, "bottom-right"), key_offset(3, 1, "bottom-right")) == (0, 2, -2)
+    assert torch.equal(causal_mask(2, 4), _bools([[1, 0, 0, 0], [1, 1, 0, 0]]))
+    assert torch.equal(causal_mask(2, 4, alignment="bottom-right"), _bools([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    assert torch.equal(causal_mask(2, 4, alignment="bottom-right", window=2), _bools([[0, 1, 1, 0], [0, 0, 1, 1]]))
+    assert torch.equal(causal_mask(3, 3, window=1), torch.eye(3, dtype=torch.bool))  # a window of 1: itself only
+    assert torch.equal(causal_mask(3, 1, alignment="bottom-right"), _bools([[0], [0], [1]]))
+    assert keyless_rows(3, 1, alignment="bottom-right").tolist() == [True, True, False]
+    # positions, not rows: flash-attn's window (left 1, right 1) is w = 2, one key ahead
+    assert torch.equal(visible(torch.arange(3), 3, window=2, ahead=1), _bools([[1, 1, 0], [1, 1, 1], [0, 1, 1]]))
+    assert torch.equal(visible(torch.tensor([5]), 3, ahead=None), _bools([[1, 1, 1]]))
+
+
+def test_each_sequence_of_a_packed_batch_has_its_own_offset():
+    """Varlen and decode align each sequence bottom-right by its own n_q and n_kv (flash-attn's
+    construct_local_mask): a sequence of 3 queries over 1 key has two rows that see nothing."""
+    from attn_spec.serving_reference import segment_mask
+
+    assert torch.equal(segment_mask(1, 3, causal=True), _bools([[1, 1, 1]]))  # one decode step sees the whole cache
+    assert torch.equal(segment_mask(2, 2, causal=True), _bools([[1, 0], [1, 1]]))
+    assert torch.equal(segment_mask(3, 1, causal=True), _bools([[0], [0], [1]]))
+    assert torch.equal(segment_mask(2, 3, causal=True, alignment="top-left"), _bools([[1, 0, 0], [1, 1, 0]]))
+    assert torch.equal(segment_mask(2, 4, window=(1, 0)), _bools([[0, 1, 1, 0], [0, 0, 1, 1]]))  # w = left + 1
+    assert torch.equal(segment_mask(2, 2), torch.ones(2, 2, dtype=torch.bool))
+
+
+def test_folding_a_mask_with_the_pattern():
+    """A bool mask is and-ed with the keys the pattern allows; a float mask keeps its values there and gets -inf
+    elsewhere; no mask is the pattern itself."""
+    from attn_spec.reference import fold, fold_causal
+
+    allowed = _bools([[1, 0, 0], [1, 1, 0]])
+    assert torch.equal(fold(None, allowed), allowed)
+    assert torch.equal(fold(_bools([[0, 1, 1], [1, 1, 1]]), allowed), _bools([[0, 0, 0], [1, 1, 0]]))
+    bias = torch.tensor([[0.5, 1.0, 2.0], [-1.0, 3.0, 4.0]], dtype=F64)
+    inf = math.inf
+    assert torch.equal(fold(bias, allowed), torch.tensor([[0.5, -inf, -inf], [-1.0, 3.0, -inf]], dtype=F64))
+    assert torch.equal(fold_causal(bias, 2, 3), fold(bias, allowed))  # is_causal written as its mask: top-left
+    assert torch.equal(fold_causal(None, 2, 3, window=1), _bools([[1, 0, 0], [0, 1, 0]]))
+
+
+def test_query_head_h_reads_kv_head_h_over_g():
+    """Grouped K/V heads: with g = H / H_kv, query head h reads K/V head h // g (blocked, not tiled), as SDPA's
+    enable_gqa does."""
+    from attn_spec.reference import repeat_kv
+
+    heads = torch.tensor([10.0, 20.0]).reshape(2, 1, 1)  # [H_kv = 2, T = 1, D = 1]
+    assert repeat_kv(heads, 2).flatten().tolist() == [10.0, 10.0, 20.0, 20.0]
+    packed = torch.tensor([[10.0, 20.0]]).reshape(1, 2, 1)  # [T, H_kv, D]: the serving layout, heads on dim 1
+    assert repeat_kv(packed, 3, 1).flatten().tolist() == [10.0, 10.0, 10.0, 20.0, 20.0, 20.0]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 3, 2, generator=g, dtype=F64), *torch.randn(2, 2, 5, 2, generator=g, dtype=F64)
+    out, _ = attention(q, repeat_kv(k, 2), repeat_kv(v, 2))  # [4, 3, 2]
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rtol=0, atol=1e-12)
+
+
+def test_the_lse_and_its_empty_row():
+    """lse = log sum_j exp(s_j); a row with no allowed key has LSE -inf (neutral in a merge) and zero weights."""
+    from attn_spec.reference import lse, lse_weights
+
+    inf = math.inf
+    scores = torch.tensor([[0.0, 0.0, -inf], [1.0, 2.0, 3.0], [-inf, -inf, -inf]], dtype=F64)
+    row_lse = lse(scores)
+    assert row_lse[0].item() == pytest.approx(math.log(2), abs=1e-15)
+    assert row_lse[1].item() == pytest.approx(math.log(math.e + math.e ** 2 + math.e ** 3), abs=1e-14)
+    assert row_lse[2].item() == -inf
+    weights = lse_weights(scores, row_lse)
+    assert weights[0].tolist() == [0.5, 0.5, 0.0] and weights[2].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(weights[1], torch.softmax(scores[1], dim=-1), rtol=0, atol=1e-15)
+
+
+def test_the_earned_budget_is_factor_times_naive_plus_the_floor():
+    """|target - ref64| <= FACTOR * |naive - ref64| + FLOOR_ULPS * unit, stated once (checking.tolerance.earned)."""
+    from attn_spec.checking import tolerance
+
+    assert (tolerance.FACTOR, tolerance.FLOOR_ULPS) == (4.0, 2.0)
+    assert tolerance.earned(0.25, 0.125) == 1.25
+    assert tolerance.earned(0.0, 0.5) == 1.0  # an exact naive run: the floor alone
+    assert tolerance.earned(0.25, 0.125, factor=8.0) == 2.25  # the gradients' factor
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 4, generator=g).float() for _ in range(3))
+    ref = attention(q, k, v)[0]
+    naive = tolerance.naive_error(q, k, v, None, ref)
+    assert tolerance.budget(q, k, v, None, ref) == tolerance.earned(naive, tolerance.floor_unit(q, k, v)) > 0

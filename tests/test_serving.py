@@ -14,7 +14,7 @@ from attn_spec.cli import main
 from attn_spec.errors import KitUsageError
 from attn_spec.targets.conventions import make_target
 from attn_spec.targets.loading import load_target
-from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.serving_reference import decode_reference
 from gallery.serving import decode_top_left
 
 KERNELS = Path(__file__).resolve().parents[1] / "examples" / "serving_kernels.py"
@@ -116,7 +116,7 @@ def test_the_merge_base_is_read_within_float32_rounding():
 def test_merge_reference_equals_attention_over_the_union():
     from attn_spec.checking.cases import Case
     from attn_spec.properties.merge import partial_states
-    from attn_spec.targets.serving_merge import merge_reference
+    from attn_spec.serving_reference import merge_reference
 
     parts, (out, lse) = partial_states(Case(batch=(2,), n_q=3, n_kv=7, d_k=4, d_v=4, values="normal", seed=5))
     v, s = parts[0]

@@ -204,7 +204,8 @@ def test_a_varlen_kernel_that_ignores_softcap_is_named():
 
 
 def test_the_varlen_reference_softcaps_and_groups():
-    from attn_spec.targets.serving_varlen import cu_seqlens, varlen_reference
+    from attn_spec.serving_reference import varlen_reference
+    from attn_spec.targets.serving_varlen import cu_seqlens
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 4, 2, generator=g, dtype=torch.float64) * 4  # [T_q, H, D]

@@ -19,7 +19,8 @@ from attn_spec.cli import main
 from attn_spec.errors import KitUsageError
 from attn_spec.targets.conventions import make_target
 from attn_spec.targets.loading import load_target
-from attn_spec.targets.serving_varlen import cu_seqlens, varlen_reference
+from attn_spec.serving_reference import varlen_reference
+from attn_spec.targets.serving_varlen import cu_seqlens
 from gallery.serving import varlen_attn_names, varlen_top_left
 
 KERNELS = Path(__file__).resolve().parents[1] / "examples" / "serving_kernels.py"

@@ -87,10 +87,9 @@ def chunk_scores(q_c, k_e, mask_e, rows: slice, n_q: int, *, scale, causal=False
         else:
             scores.add_(m.to(F64))
     if causal:
-        offset = 0 if causal_alignment == "top-left" else k_e.shape[-2] - n_q
-        i = torch.arange(rows.start, rows.stop, device=scores.device)[:, None]  # [c, 1]
-        j = torch.arange(k_e.shape[-2], device=scores.device)[None, :]  # [1, Tk]
-        allowed = (j <= i + offset) if allowed is None else allowed & (j <= i + offset)
+        offset = reference.key_offset(n_q, k_e.shape[-2], causal_alignment)
+        positions = torch.arange(rows.start, rows.stop, device=scores.device) + offset  # [c]
+        allowed = reference.fold(allowed, reference.visible(positions, k_e.shape[-2]))  # [c, Tk]
     if allowed is not None:
         scores.masked_fill_(~allowed, -math.inf)
     return scores, allowed is not None

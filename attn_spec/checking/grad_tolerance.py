@@ -56,7 +56,7 @@ import torch
 
 from attn_spec import reference
 from attn_spec.checking import chunked, rows
-from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, eps, max_error, naive_attention, seed_attention
+from attn_spec.checking.tolerance import FACTOR, earned, eps, max_error, naive_attention, seed_attention
 
 GRAD_FACTOR = 2 * FACTOR
 F64 = torch.float64
@@ -179,7 +179,7 @@ def grad_budgets(q, k, v, mask, grad_out, ref_grads, terms=None, *, samples=None
         if q.numel() and k.numel() else 0.0  # the bound on |scaled score| that tolerance.floor_unit uses
     length = math.sqrt((n_q or q.shape[-2]) + k.shape[-2] + v.shape[-1]) + min(score, 1e6)
     units = [eps(q.dtype) * length * (t.max().item() if t.numel() else 0.0) for t in terms]
-    return tuple(GRAD_FACTOR * n + FLOOR_ULPS * u for n, u in zip(naive, units))
+    return tuple(earned(n, u, factor=GRAD_FACTOR) for n, u in zip(naive, units))
 
 
 @dataclass

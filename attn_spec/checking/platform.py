@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from attn_spec import reference
-from attn_spec.reference import fold_causal
+from attn_spec.reference import fold, fold_causal, visible
 from attn_spec.checking import chunked, grad_tolerance, rows, tolerance
 from attn_spec.checking.platform_snippet import snippet
 from attn_spec.errors import Failure, PlatformDefect
@@ -129,10 +129,7 @@ def _on_chosen_rows(kind: str, x: dict):
     index = torch.tensor(list(rows.choose(n_q, n_kv)), dtype=torch.long, device=q.device)
     sub = None if mask is None else mask if mask.shape[-2] == 1 else mask.index_select(-2, index.to(mask.device))
     if x.get("is_causal") or x.get("window") is not None:  # top-left, as fold_causal writes it
-        i, j = index[:, None], torch.arange(n_kv, device=q.device)[None, :]  # [k, 1], [1, Tk]
-        allowed = (j <= i) if x.get("window") is None else (j <= i) & (j > i - x["window"])  # [k, Tk]
-        sub = allowed if sub is None else allowed & sub.to(q.device) if sub.dtype == torch.bool else \
-            sub.to(q.device).masked_fill(~allowed, -math.inf)
+        sub = fold(sub, visible(index, n_kv, window=x.get("window")))  # [..., k, Tk]
     judged = dict(x, q=q.index_select(-2, index), mask=sub, is_causal=False, window=None)
     if kind == "vjp":
         g = x["grad_out"]
@@ -238,7 +235,7 @@ def _expected(kind: str, x: dict):
     q, k, v, mask, scale, cap = (t.contiguous() if isinstance(t, torch.Tensor) else t for t in _options(x))
     if grouped(q, k):
         g = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+        k, v = reference.repeat_kv(k, g), reference.repeat_kv(v, g)
     if not _in_range(q, k, mask, 1.0 if scale is None else abs(scale), q.dtype):
         return None
     ref = reference.attention(q, k, v, mask, scale=scale, softcap=cap)[0]

@@ -31,7 +31,7 @@ def laid_out(values, size, stride, offset):  # the values at these strides and s
 
 ATTENTION = '''
 def attention(q, k, v, mask):  # softmax(scale Q K^T) V in the inputs' dtype, {form}
-    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped K/V: head h reads K/V head h // g
+    if q.dim() >= 3 and k.dim() >= 3 and 1 < k.shape[-3] < q.shape[-3]:  # grouped K/V: head h reads K/V head h // g
         g, heads = q.shape[-3] // k.shape[-3], k.shape[-3]
         if mask is not None and mask.dim() >= 3:
             mask = mask.unflatten(-3, (heads, g)) if mask.shape[-3] == q.shape[-3] else mask.unsqueeze(-3)

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 
 from attn_spec.checking import chunked
-from attn_spec.reference import causal_mask
+from attn_spec.reference import causal_mask, fold, key_offset, visible
 from attn_spec.checking.assertions import assert_close, fail, number
-from attn_spec.checking.tolerance import FACTOR, FLOOR_ULPS, budget, by_rows, floor_unit, max_error, \
-    naive_attention, seed_attention
+from attn_spec.checking.tolerance import budget, by_rows, earned, floor_unit, max_error, naive_attention, \
+    seed_attention
 
 TILES = (16, 32, 64, 128)
 RANDOM_ROWS = 24
@@ -74,7 +74,7 @@ def choose(n_q: int, n_kv: int) -> dict[int, str]:
         for start in dict.fromkeys(s for s in (tile, 2 * tile, middle, last - tile, last) if s > 0):
             for row in (start - 1, start, start + 1):
                 add(row, f"at or next to the tile boundary {start} (a multiple of {tile})")
-    for offset in dict.fromkeys((0, n_kv - n_q)):  # top-left and bottom-right causal alignment
+    for offset in dict.fromkeys(key_offset(n_q, n_kv, a) for a in ("top-left", "bottom-right")):
         for tile in (64, 128):
             ends = [m * tile for m in (1, 2, n_kv // tile // 2, n_kv // tile - 1, n_kv // tile) if m > 0]
             for end in dict.fromkeys(ends):  # row i's last allowed key is i + offset: at end - 1 or end
@@ -126,13 +126,8 @@ def _rows_mask(mask, index, n_q, n_kv, causal, causal_alignment, device):
     sub = None if mask is None else mask if mask.shape[-2] == 1 else mask.index_select(-2, index.to(mask.device))
     if not causal:
         return sub
-    offset = 0 if causal_alignment == "top-left" else n_kv - n_q
-    allowed = torch.arange(n_kv, device=device)[None, :] <= index.to(device)[:, None] + offset  # [k, Tk]
-    if sub is None:
-        return allowed
-    if sub.dtype == torch.bool:
-        return sub.to(device) & allowed
-    return sub.to(device).masked_fill(~allowed, -math.inf)
+    positions = index.to(device) + key_offset(n_q, n_kv, causal_alignment)  # [k]
+    return fold(sub, visible(positions, n_kv))  # [..., k, Tk]
 
 
 @dataclass
@@ -171,7 +166,7 @@ class Reference:
     def fast_budget(self) -> float:
         """What every row may differ from the fast reference by: twice the rows' budget with its floor over all rows."""
         q, k, v, _ = self.inputs
-        return 2 * (FACTOR * self.naive_rows_error + FLOOR_ULPS * floor_unit(q, k, v, scale=self.options["scale"]))
+        return 2 * earned(self.naive_rows_error, floor_unit(q, k, v, scale=self.options["scale"]))
 
     def error(self, got) -> float:
         """max |got - ref64| on the judged rows."""
@@ -220,12 +215,9 @@ def _fused(q, k, v, mask, *, scale, causal, causal_alignment):
         causal, mask = True, None  # a causal mask written out: is_causal skips the future (3x faster on the CPU)
     top_left = causal and (causal_alignment == "top-left" or n_q == n_kv)
     if causal and not top_left:
-        allowed = torch.arange(n_kv, device=q.device)[None, :] <= torch.arange(n_q, device=q.device)[:, None] + n_kv - n_q
-        mask = allowed if mask is None else mask & allowed if mask.dtype == torch.bool else \
-            mask.masked_fill(~allowed, -math.inf)
+        mask = fold(mask, causal_mask(n_q, n_kv, alignment="bottom-right", device=q.device))
     if top_left and mask is not None:
-        mask = mask & torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device).tril() if mask.dtype == torch.bool \
-            else mask.masked_fill(~torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device).tril(), -math.inf)
+        mask = fold(mask, causal_mask(n_q, n_kv, device=q.device))
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=None if mask is None else mask.to(q.device), is_causal=top_left and mask is None,
         scale=scale)
@@ -257,7 +249,7 @@ def _build(q, k, v, mask, options) -> Reference:
                                                          exact) for impl in (naive_attention, seed_attention)]
     finite = [e for e in errors if math.isfinite(e)]
     ref.naive_rows_error = max(finite) if finite else 0.0
-    ref.budget = FACTOR * ref.naive_rows_error + FLOOR_ULPS * floor_unit(q_rows, k, v, scale=options["scale"])
+    ref.budget = earned(ref.naive_rows_error, floor_unit(q_rows, k, v, scale=options["scale"]))
     return ref
 
 

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from attn_spec import reference
 from attn_spec.checking import chunked
 
 FACTOR = 4.0
@@ -36,6 +37,15 @@ FLOOR_ULPS = 2.0
 
 def eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
+
+
+def earned(naive: float, unit: float, *, factor: float = FACTOR) -> float:
+    """The error budget, stated once: FACTOR * naive + FLOOR_ULPS * unit.
+
+    ``naive``: the error an ordinary implementation in the same dtype showed against the float64 reference on the
+    same inputs (the larger of its orders); ``unit``: one unit of rounding of the result (``floor_unit`` for an
+    attention output). ``factor``: a larger one where a computation rounds more (gradients: GRAD_FACTOR)."""
+    return factor * naive + FLOOR_ULPS * unit
 
 
 def same_dtype_attention(q, k, v, mask=None, *, scale=None, first_scale=True, softcap=None, fused=False):
@@ -95,14 +105,13 @@ def by_rows(impl, q, k, v, mask=None, *, scale=None, causal=False, causal_alignm
     batch = chunked.batch_shape(q, k, v, mask)
     out = torch.empty(*batch, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)  # [..., Tq, Dv]
     n_q, n_kv = q.shape[-2], k.shape[-2]
-    offset = 0 if causal_alignment == "top-left" else n_kv - n_q
+    offset = reference.key_offset(n_q, n_kv, causal_alignment)
     for index, q_e, k_e, v_e, mask_e in chunked.elements(q, k, v, mask):
         for rows in chunked.row_chunks(n_q, n_kv, chunked.chunk_bytes_for(q.device)):
             m = chunked.row_mask(mask_e, rows)  # [c or 1, Tk]
             if causal:
-                i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]  # [c, 1]
-                future = torch.arange(n_kv, device=q.device)[None, :] > i + offset  # [c, Tk]
-                m = ~future if m is None else m & ~future
+                positions = torch.arange(rows.start, rows.stop, device=q.device) + offset  # [c]
+                m = reference.fold(m, reference.visible(positions, n_kv))  # [c, Tk]
             out[index][rows] = impl(q_e[rows], k_e, v_e, m, scale=scale)  # [c, Dv]
     return out
 
@@ -133,7 +142,7 @@ def budget(q, k, v, mask, ref_out, *, scale=None, causal=False, causal_alignment
     """The largest error a correct implementation may show on these inputs (``causal``: under the
     causal mask of that alignment, as ``reference.attention`` takes it)."""
     naive = naive_error(q, k, v, mask, ref_out, scale=scale, causal=causal, causal_alignment=causal_alignment)
-    return FACTOR * naive + FLOOR_ULPS * floor_unit(q, k, v, scale=scale)
+    return earned(naive, floor_unit(q, k, v, scale=scale))
 
 
 def same_dtype_lse(q, k, mask=None, *, scale=None, first_scale=True, softcap=None):
@@ -164,14 +173,14 @@ def lse_budget(q, k, mask, ref_lse, lse_dtype, *, scale=None, softcap=None) -> f
                         ref_lse) for first in (True, False)]
     naive = max((e for e in errors if math.isfinite(e)), default=0.0)
     if not q.numel() or not k.shape[-2]:
-        return FACTOR * naive + FLOOR_ULPS * eps(lse_dtype)
+        return earned(naive, eps(lse_dtype))
     factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
     scores = (q.detach().double() @ k.detach().double().transpose(-2, -1) * factor).abs()  # [..., Tq, Tk]
     score = scores.masked_fill(~mask, 0.0).max().item() if mask is not None else scores.max().item()
     score = min(score, softcap) if softcap else min(score, 1e6)
     top = ref_lse[torch.isfinite(ref_lse)].abs().max().item() if torch.isfinite(ref_lse).any() else 0.0
     unit = eps(q.dtype) * (score + math.sqrt(k.shape[-2])) + eps(lse_dtype) * max(1.0, top)
-    return FACTOR * naive + FLOOR_ULPS * unit
+    return earned(naive, unit)
 
 
 def naive_multihead(x_q, x_kv, weights, n_heads, mask=None):
@@ -192,7 +201,7 @@ def multihead_budget(x_q, x_kv, weights, n_heads, mask, ref_out) -> float:
     naive_err = naive_err if math.isfinite(naive_err) else 0.0
     scale = max(1.0, ref_out.abs().max().item()) if ref_out.numel() else 1.0
     unit = eps(x_q.dtype) * scale * (math.sqrt(x_kv.shape[0]) + math.sqrt(x_q.shape[-1]))
-    return FACTOR * naive_err + FLOOR_ULPS * unit
+    return earned(naive_err, unit)
 
 
 def softcap_attention(q, k, v, mask, cap: float, *, first_scale: bool, scale=None):
@@ -207,4 +216,4 @@ def softcap_budget(q, k, v, mask, ref_out, cap: float) -> float:
     errors = [e for e in (max_error(softcap_attention(q, k, v, mask, cap, first_scale=first), ref_out)
                           for first in (True, False)) if math.isfinite(e)]
     capped_unit = eps(q.dtype) * max(1.0, v.detach().abs().max().item() if v.numel() else 1.0) * (math.sqrt(k.shape[-2]) + cap)
-    return FACTOR * max(errors, default=0.0) + FLOOR_ULPS * min(floor_unit(q, k, v), capped_unit)
+    return earned(max(errors, default=0.0), min(floor_unit(q, k, v), capped_unit))

@@ -13,7 +13,7 @@ import torch
 
 from attn_spec import reference
 from attn_spec.checking import chunked, probes
-from attn_spec.checking.tolerance import max_error
+from attn_spec.checking.tolerance import earned, max_error
 from attn_spec.diagnosis import MISTAKES
 from attn_spec.diagnosis.mistakes import QUERY_AXIS
 from attn_spec.diagnosis.predict import predict
@@ -126,6 +126,6 @@ def diagnose_mismatch(got, q, k, v, mask, budget: float) -> str:
         err = max_error(got, ref)
         err32 = max_error(output("computes-in-float32", q, k, v, mask), ref)
         floor32 = torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
-        if err > floor32 / 16 and err <= 4 * err32 + 8 * floor32:
+        if err > floor32 / 16 and err <= earned(err32, 4 * floor32):  # float32's own error earns the budget
             return MISTAKES["computes-in-float32"].cause_for(err=err, budget=budget)
     return ""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_spec.diagnosis.model import mistake
+from attn_spec.reference import key_offset
 
 F64 = torch.float64
 H, N_Q, N_KV = 4, 5, 7  # heads, queries and keys of the readout: n_q != n_kv shows the alignment
@@ -28,7 +29,7 @@ SLOPES = slopes(H)  # the readout's (exact in float32)
 
 def distance(n_q: int, n_kv: int, offset: int | None = None) -> torch.Tensor:
     """i + offset - j [n_q, n_kv], offset = n_kv - n_q (bottom-right) unless given."""
-    offset = n_kv - n_q if offset is None else offset
+    offset = key_offset(n_q, n_kv, "bottom-right") if offset is None else offset
     return (torch.arange(n_q)[:, None] + offset - torch.arange(n_kv)[None, :]).to(F64)
 
 

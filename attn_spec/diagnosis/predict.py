@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn_spec.reference import fold_causal
+from attn_spec.reference import fold_causal, repeat_kv
 from attn_spec.diagnosis.model import F64, Mistake, capped, collecting_free, correct, lift
 from attn_spec.targets.record import Call, snapshot
 from attn_spec.errors import NotDifferentiable
@@ -71,7 +71,7 @@ def _attend_inputs(m, call):
         mask = fold_causal(mask, q.shape[-2], k.shape[-2])
     if not m.grouped and grouped(q, k):
         g = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+        k, v = repeat_kv(k, g), repeat_kv(v, g)
     args = {"is_causal": is_causal} if m.arguments else {}
     if m.options:
         args.update(window=window, softcap=softcap)

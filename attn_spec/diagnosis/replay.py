@@ -137,7 +137,7 @@ def _budgets(call: Call, precision: str | None) -> list[float]:
             mask = fold_causal(mask, q.shape[-2], k.shape[-2])
         if grouped(q, k):
             g = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+            k, v = reference.repeat_kv(k, g), reference.repeat_kv(v, g)
         scale, cap = x.get("scale"), x.get("softcap")
         ref = reference.attention(q, k, v, mask, scale=scale, softcap=cap)[0]
         out_budget = (tolerance.budget(q, k, v, mask, ref, scale=scale) if cap is None else

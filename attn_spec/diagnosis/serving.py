@@ -18,8 +18,7 @@ from attn_spec import reference
 from attn_spec.diagnosis.model import MISTAKES, Mistake, mistake
 from attn_spec.diagnosis.roots import Diagnosis
 from attn_spec.diagnosis.serving_correct import CORRECT, correct_decode, correct_merge, correct_varlen, element
-from attn_spec.targets.serving_decode import gather_pages, scatter_pages
-from attn_spec.targets.serving_varlen import varlen_reference
+from attn_spec.serving_reference import gather_pages, scatter_pages, varlen_reference
 
 
 def outputs(m: Mistake, c) -> dict:
@@ -56,7 +55,7 @@ def split_kv_unweighted_merge(c):
     out = right["out"].clone()  # [B, S, H, Dv]
     for b, L in enumerate(ends.tolist()):
         group = H // right["k_after"].shape[2]
-        keys, values = (right[name][b, :L].repeat_interleave(group, 1).transpose(0, 1)
+        keys, values = (reference.repeat_kv(right[name][b, :L], group, 1).transpose(0, 1)
                         for name in ("k_after", "v_after"))  # [H, L, D]
         mask = reference.causal_mask(S, L, alignment="bottom-right") if c["causal"] else torch.ones(S, L, dtype=bool)
         size = max(1, math.ceil(L / n))

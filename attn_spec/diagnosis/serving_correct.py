@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_spec.targets.serving_decode import decode_reference
-from attn_spec.targets.serving_merge import merge_reference
-from attn_spec.targets.serving_varlen import varlen_reference
+from attn_spec.serving_reference import decode_reference, merge_reference, varlen_reference
 
 
 def decoded(out, lse, k_after, v_after) -> dict:

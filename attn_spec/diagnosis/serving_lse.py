@@ -12,8 +12,7 @@ import torch
 
 from attn_spec.diagnosis.model import mistake
 from attn_spec.diagnosis.serving_correct import correct_decode
-from attn_spec.targets.serving_decode import decode_reference
-from attn_spec.targets.serving_varlen import varlen_reference
+from attn_spec.serving_reference import decode_reference, varlen_reference
 
 
 def lse_mistake(id: str, level: str, **words):

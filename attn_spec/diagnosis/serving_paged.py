@@ -12,7 +12,8 @@ import torch
 
 from attn_spec.diagnosis.model import mistake
 from attn_spec.diagnosis.serving_correct import correct_decode, decoded, element
-from attn_spec.targets.serving_decode import decode_reference
+from attn_spec.reference import repeat_kv
+from attn_spec.serving_reference import decode_reference
 
 
 def paged_mistake(id: str, **words):
@@ -119,5 +120,5 @@ def masked_slots_times_zero(c):
     right = correct_decode(c)
     values = right["v_after"]  # [num_blocks, page, H_kv, D]: the whole pool, appended rows included
     group = c["q"].shape[2] // values.shape[2]
-    poison = 0 * values.sum((0, 1)).repeat_interleave(group, 0)  # [H, D]: NaN where any slot's value is NaN
+    poison = 0 * repeat_kv(values.sum((0, 1)), group, 0)  # [H, D]: NaN where any slot's value is NaN
     return {**right, "out": right["out"] + poison}

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from attn_spec.failures import fail
+from attn_spec.reference import visible
 from attn_spec.errors import KitUsageError, Unsupported
 from attn_spec.targets.base import Target, _call
 from attn_spec.vocabulary import Traits
@@ -89,12 +90,10 @@ class MaskStatement:
 
 
 def _part(name, arg, i, j):
-    if name == "causal":
-        return j <= i
-    if name == "sliding-window":
-        return (j <= i) & (j > i - arg)
+    if name in ("causal", "sliding-window"):  # the kit's rule, top-left: i - w < j <= i
+        return visible(i[:, 0], j.shape[-1], window=arg if name == "sliding-window" else None)
     if name == "prefix-lm":
-        return (j <= i) | (j < arg)
+        return visible(i[:, 0], j.shape[-1]) | (j < arg)
     return arg[i] == arg[j]  # document
 
 

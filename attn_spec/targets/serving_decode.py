@@ -40,62 +40,6 @@ ARGUMENTS = ("k", "v", "cache_seqlens", "cache_leftpad", "block_table", "softmax
 NAMED_ONLY = {"block_table", "num_splits"}  # passed only to a kernel that names them (not through **kwargs)
 
 
-def gather_pages(cache, block_table):
-    """A paged cache [num_blocks, page, H_kv, D] as the contiguous one it stands for, [B, max_blocks * page, H_kv, D]:
-    row r of element b is page block_table[b, r // page], offset r % page."""
-    B, n = block_table.shape
-    return cache[block_table.long()].reshape(B, n * cache.shape[1], *cache.shape[2:])  # [B, n * page, H_kv, D]
-
-
-def scatter_pages(pages, contiguous, block_table):
-    """``pages`` (a copy) with every page the block table lists overwritten by its rows of ``contiguous``."""
-    pages = pages.clone()
-    pages[block_table.long()] = contiguous.reshape(*block_table.shape, *pages.shape[1:]).to(pages.dtype)
-    return pages
-
-
-def decode_reference(q, k_cache, v_cache, cache_seqlens, k=None, v=None, cache_leftpad=None, *, causal=True,
-                     scale=None, causal_alignment="bottom-right", block_table=None):
-    """What a correct decode kernel computes, in float64: (out [B, S, H, D], lse [B, H, S] in base e, the caches
-    after the append). Grouped K/V heads are repeated to the query heads; an empty row has out 0, LSE -inf.
-    With ``block_table`` the caches are paged: gathered into contiguous ones, decoded, the pages written back;
-    a length past the block table's capacity raises ValueError."""
-    if block_table is not None:
-        capacity = block_table.shape[1] * k_cache.shape[1]
-        ends = torch.as_tensor(cache_seqlens).cpu() + (0 if k is None else k.shape[1])  # [B]
-        if bool((ends > capacity).any()):
-            raise ValueError(f"lengths {ends.tolist()} exceed the block table's capacity {capacity}")
-        out, lse, k_flat, v_flat = decode_reference(
-            q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), cache_seqlens, k, v,
-            cache_leftpad, causal=causal, scale=scale, causal_alignment=causal_alignment)
-        k_pages, v_pages = (t.detach().to("cpu", F64) for t in (k_cache, v_cache))
-        return out, lse, scatter_pages(k_pages, k_flat, block_table), scatter_pages(v_pages, v_flat, block_table)
-    q, k_cache, v_cache = (t.detach().to("cpu", F64) for t in (q, k_cache, v_cache))
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    B, S, H, D = q.shape
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.zeros(B, S, H, v_cache.shape[-1], dtype=F64)  # [B, S, H, Dv]
-    lse = torch.full((B, H, S), -math.inf, dtype=F64)  # [B, H, S]
-    for b in range(B):
-        start, filled = (int(cache_leftpad[b]) if cache_leftpad is not None else 0), int(cache_seqlens[b])
-        if k is not None:
-            k_cache[b, filled:filled + S] = k[b].to("cpu", F64)  # [S, H_kv, D]
-            v_cache[b, filled:filled + S] = v[b].to("cpu", F64)
-        end = filled + (S if k is not None else 0)
-        keys, values = k_cache[b, start:end], v_cache[b, start:end]  # [L, H_kv, D]
-        group = H // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [L, H, D]
-        scores = scale * torch.einsum("shd,lhd->hsl", q[b], keys)  # [H, S, L]
-        if causal:
-            offset = keys.shape[0] - S if causal_alignment == "bottom-right" else 0
-            i, j = torch.arange(S)[:, None] + offset, torch.arange(keys.shape[0])[None, :]
-            scores = scores.masked_fill(j > i, -math.inf)  # [H, S, L]
-        lse[b] = torch.logsumexp(scores, dim=-1)  # [H, S]; -inf for a row with no key
-        weights = torch.exp(scores - lse[b][..., None]).nan_to_num(0.0)  # [H, S, L]
-        out[b] = torch.einsum("hsl,lhd->shd", weights, values)  # [S, H, Dv]
-    return out, lse, k_cache, v_cache
-
-
 class DecodeTarget(Target):
     """``fn(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_leftpad=None, softmax_scale=None,
     causal=False, return_softmax_lse=False)``: the arguments it does not declare are never passed."""

@@ -27,16 +27,6 @@ F64 = torch.float64
 NAMES = (("v_a", "s_a", "v_b", "s_b"), ("out_a", "lse_a", "out_b", "lse_b"))
 
 
-def merge_reference(v_a, s_a, v_b, s_b, base: float = math.e):
-    """The merge in float64, LSEs in ``base``: (v [T, H, D], s [T, H]); two empty states give (0, -inf)."""
-    v_a, s_a, v_b, s_b = (t.detach().to("cpu", F64) for t in (v_a, s_a, v_b, s_b))
-    s = torch.logaddexp(s_a * math.log(base), s_b * math.log(base))  # [T, H], natural log
-    empty = torch.isneginf(s)
-    w_a = torch.where(empty, 0.0, torch.exp(s_a * math.log(base) - s))[..., None]  # [T, H, 1]
-    w_b = torch.where(empty, 0.0, torch.exp(s_b * math.log(base) - s))[..., None]
-    return w_a * v_a + w_b * v_b, s / math.log(base)
-
-
 class MergeTarget(Target):
     """``fn(v_a, s_a, v_b, s_b) -> (v, s)``: two partial attentions [T, H, D] with their LSEs [T, H], merged."""
 

@@ -43,52 +43,6 @@ KEYWORDS = {"flash": {"scale": ("softmax_scale",), "causal": ("causal",), "windo
                       "lse": ("return_aux",)}}
 
 
-def segment_mask(n_q: int, n_k: int, *, causal=False, window=None, alignment="bottom-right") -> torch.Tensor:
-    """Bool [n_q, n_k]: query i may attend key j. Query i sits at key position p = i + n_k - n_q (bottom-right;
-    top-left: p = i); flash-attn's window (left, right), -1 unbounded, lets it see p - left <= j <= p + right;
-    causal is right = 0."""
-    left, right = window if window is not None else (-1, -1)
-    right = 0 if causal else right
-    pos = torch.arange(n_q)[:, None] + (n_k - n_q if alignment == "bottom-right" else 0)  # [n_q, 1]
-    j = torch.arange(n_k)[None, :]  # [1, n_k]
-    allowed = torch.ones(n_q, n_k, dtype=torch.bool)
-    if right >= 0:
-        allowed &= j <= pos + right
-    if left >= 0:
-        allowed &= j >= pos - left
-    return allowed  # [n_q, n_k]
-
-
-def varlen_reference(q, k, v, cu_q, cu_k, *, causal=False, window=None, scale=None, softcap=None,
-                     alignment="bottom-right", key_shift=0, grouping="blocked"):
-    """What a correct varlen kernel computes, in float64: (out [T_q, H, Dv], lse [H, T_q] in base e). Grouped K/V
-    heads are repeated to the query heads (query head h reads K/V head h // g); a row with no key has out 0, LSE
-    -inf. ``alignment``, ``key_shift`` (segment b's keys read from rows [cu_k[b] + shift, cu_k[b + 1] + shift)) and
-    ``grouping="tiled"`` (query head h reads K/V head h % H_kv) model mistakes."""
-    q, k, v = (t.detach().to("cpu", F64) for t in (q, k, v))
-    T_q, H, D = q.shape
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.zeros(T_q, H, v.shape[-1], dtype=F64)  # [T_q, H, Dv]
-    lse = torch.full((H, T_q), -math.inf, dtype=F64)  # [H, T_q]
-    cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
-    for b in range(len(cu_q) - 1):
-        rows = slice(cu_q[b], cu_q[b + 1])
-        keys = slice(min(cu_k[b] + key_shift, k.shape[0]), min(cu_k[b + 1] + key_shift, k.shape[0]))
-        group = H // k.shape[1]
-        q_b = q[rows].transpose(0, 1)  # [H, n_q, D]
-        repeat = (lambda t: t.repeat(1, group, 1)) if grouping == "tiled" else (lambda t: t.repeat_interleave(group, 1))
-        k_b, v_b = (repeat(t[keys]).transpose(0, 1) for t in (k, v))  # [H, n_k, D]
-        scores = scale * q_b @ k_b.transpose(1, 2)  # [H, n_q, n_k]
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        allowed = segment_mask(q_b.shape[1], k_b.shape[1], causal=causal, window=window, alignment=alignment)
-        scores = scores.masked_fill(~allowed, -math.inf)
-        lse[:, rows] = torch.logsumexp(scores, dim=-1)  # [H, n_q]; -inf for a row with no key
-        weights = torch.exp(scores - lse[:, rows, None]).nan_to_num(0.0)  # [H, n_q, n_k]
-        out[rows] = (weights @ v_b).transpose(0, 1)  # [n_q, H, Dv]
-    return out, lse
-
-
 def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     """int32 [B + 1]: 0, then the running sums of ``lengths``."""
     return torch.tensor([0, *torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).tolist()],
