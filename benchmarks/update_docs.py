@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import io
 import os
@@ -93,6 +94,7 @@ def _undiagnosed() -> set[str]:
                 if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "UNDIAGNOSED")
 
 
+@functools.lru_cache(maxsize=1)
 def counts() -> dict[str, int]:
     """The counts the docs quote, as the code has them. The gallery's are the test suite's closing summary
     (tests/conftest.py): its mutation score counts the buggy entries and the trivial outputs no model names,
