@@ -1,7 +1,7 @@
 """How fast is attn-spec, and how quickly does it find bugs? One command, one table.
 
     python benchmarks/bench.py [--repeat 3] [--only check overhead bugs diagnosis grade] [--markdown]
-    python benchmarks/bench.py --markdown > benchmarks/results.md && python benchmarks/update_readme.py  # README
+    python benchmarks/bench.py --markdown > benchmarks/results.md && python benchmarks/update_docs.py  # README, docs/
 
 Sections (each figure is measured in this run, on this machine):
 - check: wall time and peak memory of a fresh ``attn-spec check`` process on the seed attention,
@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=30, help="submissions per graded class (default 30)")
     parser.add_argument("--markdown", action="store_true",
                         help="the Performance table as markdown, for README: save it as benchmarks/results.md, then "
-                             "run benchmarks/update_readme.py")
+                             "run benchmarks/update_docs.py")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     torch_s, _, torch_mb = median_run([sys.executable, "-c", "import torch"], args.repeat)
@@ -317,7 +317,7 @@ def main() -> None:
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    # The first line of benchmarks/results.md: README quotes it (benchmarks/update_readme.py).
+    # The first line of benchmarks/results.md: the docs may quote it (benchmarks/update_docs.py).
     print(f"measured {datetime.date.today().isoformat()} on {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, {gpu}; "
           f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after\n")

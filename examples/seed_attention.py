@@ -1,6 +1,9 @@
 """The seed's attention, as a learner would write it: a function and a multi-head module.
 
 Check both with:  attn-spec check examples/seed_attention.py:attention examples/seed_attention.py:MultiHeadAttention
+
+Written once: examples/tutorial.py imports it, and the kit's tests import or copy this file where they need the
+seed (nothing in attn_spec/ does: a wheel has no examples/).
 """
 import math
 

@@ -100,16 +100,12 @@ run_kit(attention_v3, FUNCTION_PROPERTIES, "Step 3: mask polarity")
 # %% [markdown]
 # ## Step 4: the fixed function
 #
-# Scale, axis and polarity right. Expect **CONFORMS**.
+# Scale, axis and polarity right: the seed's function, written once in `examples/seed_attention.py`
+# (open it beside this script, or run `attention??` in Jupyter). Expect **CONFORMS**.
 
 
 # %%
-def attention(Q, K, V, mask=None):
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))  # [..., n_q, n_kv]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1) @ V  # [..., n_q, d_v]
-
+from seed_attention import attention  # noqa: E402 - the seed's function, as a learner writes it
 
 run_kit(attention, FUNCTION_PROPERTIES, "Step 4: the fixed function")
 
@@ -146,17 +142,12 @@ run_kit(MultiHeadNoTranspose, MODULE_PROPERTIES, "Step 5: multi-head, heads spli
 # %% [markdown]
 # ## Step 6: the conforming multi-head module
 #
-# Split with `view(n, h, d_k).transpose(0, 1)`, merge with the inverse. Expect **CONFORMS**.
+# Split with `view(n, h, d_k).transpose(0, 1)`, merge with the inverse: the seed's module, in
+# `examples/seed_attention.py` beside its function. Expect **CONFORMS**.
 
 
 # %%
-class MultiHeadAttention(MultiHeadNoTranspose):
-    def split(self, t):  # [n, d_model] -> [h, n, d_k]
-        return t.view(t.size(0), self.h, self.d_k).transpose(0, 1)
-
-    def merge(self, t):  # [h, n, d_k] -> [n, d_model]
-        return t.transpose(0, 1).reshape(t.size(1), -1)
-
+from seed_attention import MultiHeadAttention  # noqa: E402 - the seed's module
 
 report = run_kit(MultiHeadAttention, MODULE_PROPERTIES, "Step 6: the conforming multi-head module")
 

@@ -1,6 +1,7 @@
 """Conventions are probed and reported, and fail a check only when a user requires them."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from attn_spec.cli import main
 from attn_spec.targets.behaviours import VALUES, probe_behaviours
 
 NEG_INF = float("-inf")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scores(Q, K):
@@ -160,12 +162,7 @@ def test_required_convention_fails_only_when_it_differs():
 @pytest.fixture
 def target_file(tmp_path):
     path = tmp_path / "attn.py"
-    path.write_text("import math, torch\n\n"
-                    "def attention(Q, K, V, mask=None):\n"
-                    "    s = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))\n"
-                    "    if mask is not None:\n"
-                    "        s = s.masked_fill(~mask, float('-inf'))\n"
-                    "    return torch.softmax(s, dim=-1) @ V\n")
+    path.write_text((ROOT / "examples" / "seed_attention.py").read_text(encoding="utf-8"))
     return f"{path}:attention"
 
 

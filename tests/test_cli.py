@@ -21,19 +21,9 @@ BUGGY = str(REPO / "examples" / "buggy_attention.py")
 QUICK = ["--profile", "quick", "--seed", "5"]
 USAGE_POINTER = "\nrun 'attn-spec check --help' for usage\n"
 
-USER_FILE = '''\
-import math
-
-import torch
+USER_FILE = Path(SEED).read_text(encoding="utf-8") + '''
 
 THRESHOLD = 3
-
-
-def attention(Q, K, V, mask=None):
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1) @ V
 
 
 class AttentionAsClass:
@@ -127,7 +117,7 @@ def test_found_after_calls_leaves_out_the_calls_that_word_the_cause():
 # (TARGET and extra arguments, fragments the message must contain)
 LOAD_ERRORS = {
     "missing file": (["nowhere.py:attention"], ["nowhere.py", "no file"]),
-    "missing name": (["my_attention.py:attn"], ["'attn'", "my_attention.py", "AttentionAsClass, attention"]),
+    "missing name": (["my_attention.py:attn"], ["'attn'", "my_attention.py", "AttentionAsClass, MultiHeadAttention, attention"]),
     "not callable": (["my_attention.py:THRESHOLD"], ["THRESHOLD", "not a function or class"]),
     "bad module path": (["no_such_pkg.attn:attention"], ["no_such_pkg"]),
     "no ':' in TARGET": (["my_attention.py"], ["'my_attention.py'", "path/to/file.py:name"]),

@@ -21,19 +21,11 @@ from attn_spec.cli import EXIT_HUNG, main
 from attn_spec.settings import SETTINGS
 from attn_spec.targets import deadline
 
-TARGETS = '''\
+TARGETS = (Path(__file__).resolve().parents[1] / "examples" / "seed_attention.py").read_text(encoding="utf-8") + '''
+
 import signal
 import threading
 import time
-
-import torch
-
-
-def attention(Q, K, V, mask=None):
-    scores = Q @ K.transpose(-2, -1) / Q.size(-1) ** 0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1) @ V
 
 
 def spins(Q, K, V, mask=None):
@@ -135,7 +127,8 @@ def test_a_hanging_function_fails_its_properties_and_the_check_finishes_with_its
     spins, correct = json.loads(run.stdout)["targets"]
     for p in spins["properties"]:
         assert p["status"] == "fail", p
-        assert "did not return within 0.5 s (stopped at targets.py:16 in spins)" in p["message"]
+        line = TARGETS.splitlines().index("def spins(Q, K, V, mask=None):") + 2  # its `while True:`
+        assert f"did not return within 0.5 s (stopped at targets.py:{line} in spins)" in p["message"]
         assert p["counterexample"]["summary"].startswith("Q [") and "spins" in p["counterexample"]["traceback"]
     assert "did not return within 0.5 s" in spins["lacks"]["unmasked"]  # a header probe that hung moved on too
     assert correct["conforms"] and not spins["conforms"]  # the run went on to the next target

@@ -21,16 +21,7 @@ from gallery.core import seed_function
 
 RUN = dict(profile="quick", seed=20261203, only=["matches-reference"], diagnose=False)
 
-CORRECT = '''
-import math
-import torch
-
-def attention(Q, K, V, mask=None):
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ V
-'''
+CORRECT = (Path(__file__).resolve().parents[1] / "examples" / "seed_attention.py").read_text(encoding="utf-8")
 WRONG = '''
 import torch
 

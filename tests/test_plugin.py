@@ -7,6 +7,7 @@ itself: the plugin's own import cost (no torch), pytest-xdist's workers, tox's c
 """
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
@@ -15,31 +16,9 @@ from attn_spec.targets.conventions import ATTENTION_CONVENTIONS
 
 pytest_plugins = ["pytester"]
 
-CORRECT = """
-import math
-
-import torch
-
-
-def attention(Q, K, V, mask=None):
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))  # [..., n_q, n_kv]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ V  # [..., n_q, d_v]
-
-
-class MultiHeadAttention(torch.nn.Module):
-    def __init__(self, d_model, n_heads):
-        super().__init__()
-        self.h, self.d_k = n_heads, d_model // n_heads
-        self.W_Q, self.W_K, self.W_V, self.W_O = (torch.nn.Linear(d_model, d_model, bias=False) for _ in range(4))
-
-    def forward(self, x_q, x_kv, mask=None):
-        split = lambda t: t.view(t.size(0), self.h, self.d_k).transpose(0, 1)  # [h, n, d_k]
-        heads = attention(split(self.W_Q(x_q)), split(self.W_K(x_kv)), split(self.W_V(x_kv)), mask)
-        return self.W_O(heads.transpose(0, 1).reshape(x_q.size(0), -1))  # [n_q, d_model]
-"""
+CORRECT = (Path(__file__).resolve().parents[1] / "examples" / "seed_attention.py").read_text(encoding="utf-8")
 BUGGY = CORRECT.replace("/ math.sqrt(Q.size(-1))", "/ Q.size(-1)")  # the classic 1/d_k mistake
+assert BUGGY != CORRECT
 
 
 @pytest.fixture
@@ -98,9 +77,10 @@ def test_buggy_target_fails_with_the_property_id_and_the_lesson(attn_files):
     ])
 
 
-DETACHED_AND_CHATTY = CORRECT.replace("    return torch.softmax(scores, dim=-1) @ V  # [..., n_q, d_v]",
+DETACHED_AND_CHATTY = CORRECT.replace("    return scores.softmax(dim=-1) @ V  # [..., n_q, d_v]",
                                       "    print('called with', tuple(Q.shape))\n"
-                                      "    return (torch.softmax(scores, dim=-1) @ V).detach()")
+                                      "    return (scores.softmax(dim=-1) @ V).detach()")
+assert DETACHED_AND_CHATTY != CORRECT
 
 
 def test_inference_only_and_the_targets_output(pytester):
