@@ -23,9 +23,7 @@ import pkgutil
 import re
 import sys
 from pathlib import Path
-
-import attn_spec.properties  # noqa: F401 - fills the registry
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.targets.conventions import ATTENTION_CONVENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +37,7 @@ REGION = re.compile(r"<!-- generated:(?P<name>[^>]+?) -->(?P<text>.*?)<!-- /gene
 
 def table() -> str:
     rows = ["| id | family | statement | conventions |", "|---|---|---|---|"]
-    for p in REGISTRY.values():
+    for p in catalog().values():
         conventions = "all" if not p.only_for else ", ".join(p.only_for)
         rows.append(f"| `{p.id}` | {p.family} | {p.statement} | {conventions} |")
     return "\n".join(rows)
@@ -48,7 +46,7 @@ def table() -> str:
 def attention_properties() -> int:
     """The properties a check reports on an attention target (the FlexAttention mods' and serving kernels' own
     left out: runner.applicable)."""
-    return sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in REGISTRY.values())
+    return sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in catalog().values())
 
 
 def checked_on(convention: str | None) -> int:
@@ -56,7 +54,7 @@ def checked_on(convention: str | None) -> int:
     where the verdict names no convention), or only those naming a mod's or serving kernel's convention."""
     if convention is None or convention in ATTENTION_CONVENTIONS:
         return attention_properties()
-    return sum(convention in p.conventions for p in REGISTRY.values())
+    return sum(convention in p.conventions for p in catalog().values())
 
 
 def _gallery():
@@ -76,7 +74,7 @@ def counts() -> dict[str, int]:
     gallery = _gallery()
     def distinct(entries) -> int:  # by name: a gallery module run twice in one process registers twice (seen in a long xdist worker)
         return len({entry.name for entry in entries})
-    return {"properties": len(REGISTRY), "attention-properties": attention_properties(),
+    return {"properties": len(catalog()), "attention-properties": attention_properties(),
             "gallery-buggy": distinct(gallery.BUGGY), "gallery-correct": distinct(gallery.CORRECT),
             "gallery-trivial": distinct(gallery.TRIVIAL)}
 
