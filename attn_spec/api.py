@@ -1,6 +1,6 @@
-"""The kit's Python API: ``attn_spec.check`` (a whole report) and ``attn_spec.reproduce`` (one case).
+"""The kit's Python API: ``attn_spec.check`` (a whole report), ``attn_spec.check_property`` (one property with
+Hypothesis, from your own tests) and ``attn_spec.reproduce`` (one case).
 
-``attn_spec.properties.check_property`` runs one property with Hypothesis from your own tests.
 ``plan``, ``load_targets`` and ``run`` are the steps of a check, shared with ``attn-spec check``; every run
 of properties goes through one :class:`attn_spec.run.Run` (run, then diagnose).
 """
@@ -17,8 +17,8 @@ from attn_spec.checking import rows
 from attn_spec.checking.shapes import Rung, rungs
 from attn_spec.checking.strategies import get_profile
 from attn_spec.errors import Failure, KitUsageError, PlatformDefect, TargetLoadError, Uninformative
-from attn_spec.properties import select
-from attn_spec.report import Report
+from attn_spec.properties import catalog, select
+from attn_spec.report import Report, render
 from attn_spec.report.ci import Expectations
 from attn_spec.report.text import REPRODUCE_PLATFORM, diagnosis_lines, platform_head
 from attn_spec.run import Run
@@ -154,7 +154,7 @@ def run(targets: list[Target], plan: Plan, *, progress=None, exitfirst: bool = F
     report = Report(reports, __version__, s["profile"], plan.seed, devices=plan.devices, dtypes=plan.dtypes,
                     not_loaded=list(not_loaded), shapes=shapes, rows_judged=rows.rules(plan.rungs or ()))
     if plan.expectations:
-        plan.expectations.apply(report)
+        plan.expectations.apply(report, catalog())
     return report
 
 
@@ -215,6 +215,31 @@ def check(*targets, name=None, convention=None, profile=None, seed=None, only=No
 def config_keywords(**values) -> attn_settings.Layer:
     """The API's keyword arguments as the top settings layer (None: not given)."""
     return attn_settings.keywords(values, "the keyword argument {key}", base=None)
+
+
+def check_property(property_id: str, target, *, convention=None, profile="default", seed=None, dtypes=None,
+                   devices=None, masks=None, call_timeout=None):
+    """Run one property with Hypothesis on ``target``; AssertionError with the lesson if it does not hold.
+
+    ``target`` is your function or module (any convention; ``convention=`` when it cannot be
+    detected) or an adapter. ``masks=("bool", "additive")`` declares that it takes additive float
+    masks too. ``seed=None`` draws a random seed; the failure text names it. ``call_timeout``: seconds a
+    call into the target may take on a small case (default 10; 0: none), as ``attn-spec check --call-timeout``.
+    Returns the :class:`attn_spec.report.PropertyResult` (status "pass", or "skip" with the reason
+    in ``message`` when the property does not apply to the target).
+    """
+    get_profile(profile)
+    prop = select(only=[property_id])[0]
+    with timeout(call_timeout):  # the layout probe's calls
+        adapter = target if isinstance(target, Target) else make_target(target, convention=convention, masks=masks)
+    adapter.masks = parse_masks(masks) or adapter.masks
+    seed = random.randrange(2**32) if seed is None else seed
+    run = Run(profile, seed, list(dtypes) if dtypes else None, list(devices) if devices else None,
+              call_timeout=call_timeout)
+    result, diagnosis, _ = run.property(prop, adapter)
+    if result.status in ("fail", "error"):
+        raise AssertionError(render(result, "text", diagnosis=diagnosis, traceback=True))
+    return result
 
 
 def reproduce(property_id: str, target, case, *, convention=None, masks=None, require=None, **options) -> None:

@@ -4,7 +4,7 @@ Each command module provides ``add_parser(subparsers)`` and ``run(args) -> exit 
 command's arguments prints one line that says what is wrong, then where the usage is
 (``run 'attn-spec check --help' for usage``): that command's, never the top-level one, and never the
 whole usage block before the line that matters.
-Exit codes: 0 success / conforms, 1 a property fails, 2 usage error or unloadable target, 3 a call into a
+Exit codes (attn_spec.exit_codes): 0 success / conforms, 1 a property fails, 2 usage error or unloadable target, 3 a call into a
 target could not be interrupted past its deadline (attn_spec.targets.deadline ends the process).
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ import importlib
 import os
 import sys
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_HUNG = 0, 1, 2, 3
+from attn_spec.exit_codes import EXIT_FAIL, EXIT_HUNG, EXIT_OK, EXIT_USAGE, usage_message
+
+__all__ = ["EXIT_FAIL", "EXIT_HUNG", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 EPILOG = """\
 Examples:
@@ -28,11 +30,6 @@ Examples:
 Exit status: 0 success (every target conforms), 1 a property fails, 2 usage error, 3 a target hung beyond
 interruption (stuck in native code past its deadline).
 """
-
-
-def usage_message(prog: str, message: str) -> str:
-    """The error first, then where the usage is: ``attn-spec check: error: ...`` and a pointer to --help."""
-    return f"{prog}: error: {message}\nrun '{prog} --help' for usage\n"
 
 
 class Parser(argparse.ArgumentParser):
@@ -55,12 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"attn_spec.commands.{name}").add_parser(subparsers)
     parser.set_defaults(commands=subparsers.choices)
     return parser
-
-
-def usage_error(args, message: str) -> int:
-    """``message`` as the command's own parser's ``error`` prints it, but returned as exit 2."""
-    sys.stderr.write(usage_message(args.commands[args.command].prog, message))
-    return EXIT_USAGE
 
 
 def main(argv=None) -> int:

@@ -11,18 +11,50 @@
 - ``call``: the call of the target that produced the measured value, written as the user would.
 
 The likely bug (``cause``, one sentence) and the tensors shown side by side (``got`` and
-``expected_tensor``) travel on the :class:`attn_spec.errors.Failure`. A ``cause`` may be a
-function: a diagnosis that costs calls is then made only when the assertion fails.
+``expected_tensor``) travel on the :class:`attn_spec.errors.Failure`. A property names the cause and leaves
+its wording to the diagnosis: ``cause=because("key", **facts)`` (:class:`Because`), worded when the failure
+is raised by the function the package's root hands :func:`word_causes_with` (attn_spec.diagnosis.causes.word),
+so a wording that costs calls is made only when the assertion fails. A plain string or a function
+returning one is taken as it is.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass, field
 from typing import Callable, NoReturn, Union
 
 from attn_spec.errors import Failure
 
-Cause = Union[str, Callable[[], str]]
+
+@dataclass(frozen=True, eq=False)
+class Because:
+    """The cause a property names, for the diagnosis to word (attn_spec.diagnosis.causes): ``key`` names the
+    behaviour that broke, ``facts`` what the property measured (numbers, tensors, the target to probe further)."""
+
+    key: str
+    facts: dict = field(default_factory=dict)
+
+
+def because(key: str, **facts) -> Because:
+    """``Because(key, facts)``: ``cause=because("causal-off-by-one")``, ``because("scale-named", name=name)``."""
+    return Because(key, facts)
+
+
+Cause = Union[str, Callable[[], str], Because]
+_WORDING: list[Callable[[Because], str]] = []  # the one function that words a Because (word_causes_with)
+
+
+def word_causes_with(word: Callable[[Because], str]) -> None:
+    """Word every :class:`Because` with ``word`` from now on (the package's root hands it the diagnosis's)."""
+    _WORDING[:] = [word]
+
+
+def worded(cause: Cause) -> str:
+    """The cause in words: a Because worded by the diagnosis, a function called, a string as it is."""
+    if isinstance(cause, Because):
+        return _WORDING[0](cause) if _WORDING else cause.key
+    return cause() if callable(cause) else cause
 
 # The target whose calls a failure counts (the runner sets it while a property runs): ``fail`` notes its call
 # count before wording the cause, so Failure.calls is the calls that found the failure, not those that explain it.
@@ -66,7 +98,7 @@ def fail(measured: str, *, what: str = "", expected: str = "", budget=None, call
     counted = _COUNTED.get()
     calls = None if counted is None else counted.calls  # before the cause: its calls explain the failure, not find it
     failure = Failure(message(measured, what=what, expected=expected, budget=budget, call=call),
-                      cause=cause() if callable(cause) else cause, got=got, expected=expected_tensor, labels=labels,
+                      cause=worded(cause), got=got, expected=expected_tensor, labels=labels,
                       inputs=inputs, vacuous=vacuous, mask=mask, summary=summary, call=call)
     failure.calls = calls
     raise failure

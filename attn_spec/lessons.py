@@ -35,10 +35,10 @@ def _doc_parts(doc: str) -> tuple[str, str, str]:
 
 def lesson_sections(property_id: str) -> dict:
     """The sections of one property's lesson as plain data; KeyError for an unknown id."""
-    import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.checking.catalog import REGISTRY, Lesson
+    from attn_spec.checking.catalog import Lesson
+    from attn_spec.properties import catalog
 
-    prop = REGISTRY[property_id]
+    prop = catalog()[property_id]
     lesson = prop.lesson or Lesson(unicode="", latex="", check="", example="")
     math_text, why, catches = _doc_parts(prop.doc)
     example = EXAMPLES.get(lesson.example)
@@ -59,10 +59,10 @@ def _pretty(expr, markdown: bool) -> str:
 @functools.lru_cache(maxsize=None)
 def derivation_steps(property_id: str) -> tuple:
     """The steps of the property's sympy derivation (run once per process), or () if it has none."""
-    import attn_spec.properties  # noqa: F401 - registers the catalog and its derivations
-    from attn_spec.checking.catalog import DERIVATIONS
+    from attn_spec.properties import catalog
 
-    return tuple(DERIVATIONS[property_id]()) if property_id in DERIVATIONS else ()
+    derive = catalog()[property_id].derivation if property_id in catalog() else None
+    return tuple(derive()) if derive else ()
 
 
 def derivation_text(property_id: str, markdown: bool = False) -> str:
@@ -335,7 +335,7 @@ def _ex_varlen() -> str:
 
 
 def _ex_alibi() -> str:
-    from attn_spec.diagnosis.mistakes_alibi import bias
+    from attn_spec.properties.alibi import bias
 
     added = bias((0.5,), 2, 4)[0]  # [2, 4]: one head, slope 0.5, 2 queries over 4 keys
     return "\n".join([_m("the bias -0.5 |i + 4 - 2 - j| (2 queries, 4 keys)", added),

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attn_spec.checking.catalog import REGISTRY, Property
+from attn_spec.checking.catalog import Property
 from attn_spec.checking.cases import available_devices
 from attn_spec.checking.platform import judge
 from attn_spec.checking.runner import UNREPLAYED, blocker, check_target, finish, requirements, run_property
 from attn_spec.diagnosis.run import diagnose_one, diagnose_target
 from attn_spec.errors import Failure
+from attn_spec.properties import catalog
 from attn_spec.report import PropertyResult, TargetReport
 from attn_spec.targets.base import Target
 from attn_spec.targets.behaviours import probe_behaviours
@@ -51,8 +52,8 @@ class Run:
             if self.diagnose:
                 if progress and any(r.status == "fail" for r in report.properties):
                     progress(f"{target.name}: diagnosing the failures")
-                diagnose_target(target, report, REGISTRY)
-                finish(report, target)  # the replays' calls counted too
+                diagnose_target(target, report, catalog())
+                finish(report, target, catalog())  # the replays' calls counted too
         return report
 
     def property(self, prop: Property, target: Target, *, failed=(), shortlist=()) -> tuple:
@@ -61,9 +62,9 @@ class Run:
         with timeout(self.call_timeout):
             result = run_property(prop, target, profile=self.profile, seed=self.seed, dtypes=self.dtypes_for(target),
                                   devices=self.devices or available_devices(), verbose=self.verbose, rungs=self.rungs)
-            diagnosis = (diagnose_one(target, result, REGISTRY, shortlist=list(shortlist))
+            diagnosis = (diagnose_one(target, result, catalog(), shortlist=list(shortlist))
                          if self.diagnose and result.status == "fail" else None)
-        return result, diagnosis, blocker(result, set(failed)) if result.status in ("fail", "error") else None
+        return result, diagnosis, blocker(result, set(failed), catalog()) if result.status in ("fail", "error") else None
 
     def case(self, prop: Property, target: Target, case) -> None:
         """``prop`` on one case (``attn_spec.reproduce``): returns when it holds; a Failure carries its diagnosis
@@ -74,7 +75,7 @@ class Run:
         except Failure as failure:
             result = PropertyResult(prop.id, "fail", failure.message, cause=failure.cause, case=case)
             result.hung = isinstance(failure, UNREPLAYED)  # not replayed (checking.runner.UNREPLAYED)
-            failure.diagnosis = diagnose_one(target, result, REGISTRY) if self.diagnose else None
+            failure.diagnosis = diagnose_one(target, result, catalog()) if self.diagnose else None
             raise
 
     def probe(self, target: Target) -> TargetReport:

@@ -9,8 +9,8 @@ written in sympy with the kit's scale (:func:`canonical_scale`), and ends by che
 symbolic formula on a small numeric point: a change to the reference's scale, softmax axis or
 head split makes the derivation raise :class:`DerivationError`.
 
-    >>> from attn_spec.checking.catalog import DERIVATIONS
-    >>> for text, expr in DERIVATIONS["rows-sum-to-one"](): print(text, expr)
+    >>> from attn_spec.properties import catalog
+    >>> for text, expr in catalog()["rows-sum-to-one"].derivation(): print(text, expr)
 """
 from __future__ import annotations
 

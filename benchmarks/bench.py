@@ -92,7 +92,7 @@ def bench_selftest(rows) -> None:
 def bench_overhead(rows) -> None:
     """In-process: the check's time, the target's own time, and the check with no-op properties."""
     import attn_spec
-    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.properties import catalog
 
     sys.path.insert(0, str(ROOT / "examples"))
     from seed_attention import attention
@@ -113,15 +113,15 @@ def bench_overhead(rows) -> None:
     report = attn_spec.check(timed, profile="default", seed=1)
     total = time.perf_counter() - start
     calls = report.targets[0].calls
-    real = {pid: p.fn for pid, p in REGISTRY.items()}
-    for p in REGISTRY.values():
+    real = {pid: p.fn for pid, p in catalog().items()}
+    for p in catalog().values():
         object.__setattr__(p, "fn", lambda target, case: None)  # Hypothesis alone: draw, run nothing
     try:
         start = time.perf_counter()
         attn_spec.check(timed, profile="default", seed=1)
         engine = time.perf_counter() - start
     finally:
-        for pid, p in REGISTRY.items():
+        for pid, p in catalog().items():
             object.__setattr__(p, "fn", real[pid])
     share = 1 - inside[0] / total
     rows.append(["kit overhead, default profile (in-process)", f"{share:.0%} of {total:.2f} s",
@@ -171,7 +171,7 @@ def bench_diagnosis(rows) -> None:
     import torch
 
     import attn_spec
-    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.properties import catalog
 
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "examples"))
@@ -192,7 +192,7 @@ def bench_diagnosis(rows) -> None:
                 causes = {p.id: p.cause for p in target.properties}
                 named.append(all(entry.diagnosis in causes[pid] for pid in entry.catches))
             else:
-                before.append(sum(not set(REGISTRY[pid].after) & failed for pid in failed))
+                before.append(sum(not set(catalog()[pid].after) & failed for pid in failed))
                 after.append(len(target.diagnoses))
                 named.append(len(target.diagnoses) == 1 and target.diagnoses[0].mistake == entry.mistake
                              and not target.diagnoses[0].guess)

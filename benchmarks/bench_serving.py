@@ -16,10 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-
-import attn_spec.properties  # noqa: F401 - registers the catalog
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.errors import Failure, Unsupported
 from attn_spec.targets.conventions import make_target
 from attn_spec.targets.loading import load_target
@@ -72,7 +70,7 @@ def run(tiny: bool) -> int:
     failures = 0
     print(f"{'kernel':26} {'property':28} {'n_kv':>7}  verdict  seconds")
     for name, target in kernels(device):
-        for prop in (p for p in REGISTRY.values() if target.convention in p.only_for):
+        for prop in (p for p in catalog().values() if target.convention in p.only_for):
             for case in cases(tiny, device, dtype, target.convention):
                 start = time.perf_counter()
                 try:

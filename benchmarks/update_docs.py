@@ -33,8 +33,7 @@ import shlex
 import sys
 from pathlib import Path
 
-import attn_spec.properties  # noqa: F401 - fills the registry
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.targets.conventions import ATTENTION_CONVENTIONS, CONVENTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +53,7 @@ def documents() -> list[Path]:
 
 def table() -> str:
     rows = ["| id | family | statement | conventions |", "|---|---|---|---|"]
-    for p in REGISTRY.values():
+    for p in catalog().values():
         conventions = "all" if not p.only_for else ", ".join(p.only_for)
         rows.append(f"| `{p.id}` | {p.family} | {p.statement} | {conventions} |")
     return "\n".join(rows)
@@ -63,7 +62,7 @@ def table() -> str:
 def attention_properties() -> int:
     """The properties a check reports on an attention target (the FlexAttention mods' and serving kernels' own
     left out: runner.applicable)."""
-    return sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in REGISTRY.values())
+    return sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in catalog().values())
 
 
 def checked_on(convention: str | None) -> int:
@@ -71,7 +70,7 @@ def checked_on(convention: str | None) -> int:
     where the verdict names no convention), or only those naming a mod's or serving kernel's convention."""
     if convention is None or convention in ATTENTION_CONVENTIONS:
         return attention_properties()
-    return sum(convention in p.conventions for p in REGISTRY.values())
+    return sum(convention in p.conventions for p in catalog().values())
 
 
 def _gallery():
@@ -104,7 +103,7 @@ def counts() -> dict[str, int]:
 
     gallery = _gallery()
     buggy = {entry.name for entry in gallery.BUGGY}
-    return {"properties": len(REGISTRY), "attention-properties": attention_properties(),
+    return {"properties": len(catalog()), "attention-properties": attention_properties(),
             "conventions": len(CONVENTIONS), "mistakes": len(MISTAKES),
             "gallery-buggy": len(buggy | {entry.name for entry in gallery.TRIVIAL}),
             "gallery-diagnosable": len(buggy), "gallery-named": len(buggy - _undiagnosed()),

@@ -1,20 +1,84 @@
 """ALiBi (``alibi_slopes``, flash-attn's argument): a linear position bias per head, read out and then applied.
 
-A target that takes no ``alibi_slopes`` argument skips the property with that reason.
+A target that takes no ``alibi_slopes`` argument skips the property with that reason. The readout (q = 0, V = I:
+the output row is softmax(bias), :func:`read`) is this module's; the diagnosis (attn_spec.diagnosis.mistakes_alibi)
+recognises the mistakes in it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from attn_spec import reference
+from attn_spec.reference import key_offset
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.diagnosis.mistakes_alibi import N_KV, N_Q, bias, form, read, slopes
+from attn_spec.failures import because
 
 F64 = torch.float64
+H, N_Q, N_KV = 4, 5, 7  # heads, queries and keys of the readout: n_q != n_kv shows the alignment
+
+
+def slopes(heads: int) -> tuple:
+    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / heads), one per head."""
+    return tuple(2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads))
+
+
+SLOPES = slopes(H)  # the readout's (exact in float32)
+
+
+def distance(n_q: int, n_kv: int, offset: int | None = None) -> torch.Tensor:
+    """i + offset - j [n_q, n_kv], offset = n_kv - n_q (bottom-right) unless given."""
+    offset = key_offset(n_q, n_kv, "bottom-right") if offset is None else offset
+    return (torch.arange(n_q)[:, None] + offset - torch.arange(n_kv)[None, :]).to(F64)
+
+
+def bias(slopes, n_q: int, n_kv: int, form: str = "symmetric", offset: int | None = None) -> torch.Tensor:
+    """[H, n_q, n_kv]: -slope_h * |d| (symmetric) or -slope_h * d (signed), d = i + offset - j."""
+    d = distance(n_q, n_kv, offset)
+    d = d.abs() if form == "symmetric" else d
+    return -torch.as_tensor(slopes, dtype=F64)[:, None, None] * d  # [H, n_q, n_kv]
+
+
+def relative(scores: torch.Tensor) -> torch.Tensor:
+    """Each row up to its own constant: minus its max (the only part softmax sees)."""
+    return scores - scores.max(dim=-1, keepdim=True).values
+
+
+@dataclass
+class Reading:
+    """The bias the unmasked readout measured, [H, N_Q, N_KV], each row minus its max; the slopes given."""
+
+    measured: torch.Tensor
+    slopes: tuple
+    tol: float = 1e-5  # in log-weight units: the readout dtype's rounding
+
+    def matches(self, expected: torch.Tensor) -> bool:
+        return bool(torch.allclose(self.measured, relative(expected), atol=self.tol, rtol=0.0))
+
+
+def readout_inputs(dtype, device):
+    """q = 0 [1, H, N_Q, 4], k = 1 [1, H, N_KV, 4], V = I [1, H, N_KV, N_KV], the slopes [H] (float32)."""
+    q = torch.zeros(1, H, N_Q, 4, dtype=dtype, device=device)
+    k = torch.ones(1, H, N_KV, 4, dtype=dtype, device=device)
+    v = torch.eye(N_KV, dtype=dtype, device=device).expand(1, H, N_KV, N_KV)
+    return q, k, v, torch.tensor(SLOPES, dtype=torch.float32, device=device)
+
+
+def read(target, dtype=torch.float32, device="cpu") -> Reading:
+    q, k, v, slopes = readout_inputs(dtype, device)
+    weights = target.attend(q, k, v, None, alibi=slopes).detach().to("cpu", F64)[0]  # [H, N_Q, N_KV]
+    tol = max(1e-5, 16 * torch.finfo(dtype).eps)  # a weight's relative rounding is its log's absolute one
+    return Reading(relative(weights.clamp(min=1e-300).log()), SLOPES, tol)
+
+
+def form(reading: Reading) -> str | None:
+    """"symmetric" or "signed" when the readout is one of the correct forms, else None."""
+    return next((f for f in ("symmetric", "signed") if reading.matches(bias(reading.slopes, N_Q, N_KV, f))), None)
 
 
 @prop("alibi-slopes", family="alibi",
@@ -65,5 +129,4 @@ def alibi_slopes(target, case):
     assert_close(got, expected, budget=budget(q, k, v, added.to(q.device, q.dtype), expected),
                  what=f"the output with alibi_slopes {[round(s, 3) for s in exact]} against the float64 reference "
                       f"with the {found} bias", call="attention(Q, K, V, alibi_slopes=s)",
-                 cause="the bias is right alone (q = 0) but not added to the scaled scores before the softmax (scaled "
-                       "by 1/sqrt(d_k) with them, or added after the softmax?)")
+                 cause=because("alibi-not-in-scores"))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import torch
-
 from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, with_mask
 from attn_spec.checking.cases import Case
@@ -18,6 +16,7 @@ from attn_spec.errors import TargetRaised, Uninformative
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import push_limit
+from attn_spec.failures import because, worded
 
 
 def _flat_batch(t, batch):
@@ -66,8 +65,7 @@ def batch_independence(target, case):
                              "mask": mask if mask is None or mask.dim() == 2 else mask[index]},
                      what=f"batch element {list(index)} of the batched output against the element computed alone",
                      call=f"attention(Q[{', '.join(map(str, index))}], ...{with_mask(mask)})",
-                     cause="batch elements are mixed (a reshape or view that interleaves the batch with the "
-                           "sequence dim, e.g. batch-first read as sequence-first?)")
+                     cause=because("batch-mixed"))
     _check_no_leak(target, case, q, k, v, mask, out, allowed)
     _check_broadcast(target, q, k, v, mask)
 
@@ -85,13 +83,10 @@ def _check_no_leak(target, case, q, k, v, mask, out, allowed):
     loud[first] = (q0 * gain).to(q.dtype)
     got = _flat_batch(target.attend(loud, k, v, mask), case.batch)[1:]  # [B - 1, Tq, Dv]
     before = _flat_batch(out, case.batch)[1:]
-    cause = ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
-             "underflow the others to 0/0" if not torch.isfinite(got).all() else
-             "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
     assert_close(got, before, budget=allowed, call=f"attention(Q', K, V{with_mask(mask)}), Q' = Q with element 0 scaled",
                  labels=("the other elements' outputs after the scaling", "the target's own outputs before it"),
                  what=f"the outputs of the other batch elements after scaling the queries of element 0 by {gain:.3g}",
-                 cause=cause)
+                 cause=because("batch-reduction", got=got))
 
 
 def _check_broadcast(target, q, k, v, mask):
@@ -108,10 +103,10 @@ def _check_broadcast(target, q, k, v, mask):
     try:
         got = target.attend(q, k_b, v_b, m_b)
     except TargetRaised as exc:
-        exc.cause = "broadcast (stride-0) inputs are rejected: a .view() on an expanded tensor? (use .reshape())"
+        exc.cause = worded(because("broadcast-rejected"))
         raise
     allowed = 2 * budget(q, k_b, v_b, m_b, reference.attention(q, k_b, v_b, m_b)[0])
     assert_close(got, expected, budget=allowed, call="attention(Q, K.expand(...), V.expand(...), mask.expand(...))",
                  labels=("the output on the expanded K, V and mask", "the target's own output on contiguous copies"),
                  what="the output with K, V and mask expanded with stride 0 against their contiguous copies",
-                 cause="broadcast (stride-0) inputs are read as if contiguous")
+                 cause=because("broadcast-read-contiguous"))

@@ -8,6 +8,7 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.errors import Unsupported
 from attn_spec.checking.tolerance import budget
 from attn_spec.properties.informative import require_responsive
+from attn_spec.failures import because
 
 
 @prop("devices-agree", family="devices",
@@ -40,5 +41,5 @@ def devices_agree(target, case):
                          reference.attention(q, k, v, mask)[0])
     assert_close(on_device, on_cpu, budget=allowed, what=f"the output on {case.device} against the CPU output",
                  call=f"attention(Q, K, V{', mask' if mask is not None else ''}) on {case.device} and on the CPU",
-                 cause=f"the {case.device} code path computes a different function than the CPU one",
+                 cause=because("device-differs", device=case.device),
                  labels=(f"the output on {case.device}", "the target's own output on the CPU, same inputs"))

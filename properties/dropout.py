@@ -18,11 +18,45 @@ from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.diagnosis.mistakes_dropout import N, Z, dropped, inputs, judge, seeded
+from attn_spec.failures import because
 from attn_spec.targets.capabilities import supports
 
 F64 = torch.float64
 RATES = (0.1, 0.25, 0.5)
+N = 48  # queries and keys of the readout: 2 x 2 x 48 x 48 = 9216 weights, 4608 under the causal mask
+Z = 7.0  # standard deviations a correct kernel's kept count may stray (a chance below 1e-11)
+
+
+def inputs(dtype, device):
+    """q = k = 0 [2, 2, N, 4] and V = [I | I] [2, 2, N, 2N]."""
+    q = torch.zeros(2, 2, N, 4, dtype=dtype, device=device)
+    v = torch.cat([torch.eye(N), torch.eye(N)], dim=-1).to(dtype=dtype, device=device).expand(2, 2, N, 2 * N)
+    return q, q.clone(), v
+
+
+def seeded(target, seed: int, *args, **kwargs):
+    """One call with torch's generators seeded, the caller's random stream left as it was."""
+    with torch.random.fork_rng(devices=[] if args[0].device.type == "cpu" else None):
+        torch.manual_seed(seed)
+        return target.attend(*args, **kwargs)
+
+
+def dropped(target, p: float, seed: int, *, causal=False, dtype=torch.float32, device="cpu"):
+    """(the dropped weights [B, H, N, 2N] in float64, how causality was asked: "", "causal mask" or
+    "is_causal=True") of one readout call at dropout ``p`` after ``torch.manual_seed(seed)``. Causal through a
+    mask where the target takes a causal one, else is_causal; None for a kernel that takes neither."""
+    how, asked = "", {}
+    if causal and "causal" in supports(target, device=device).masks:
+        how, asked = "causal mask", {"mask": reference.causal_mask(N, N, device=device)}
+    elif causal:
+        how, asked = "is_causal=True", {"is_causal": True}
+    try:
+        out = seeded(target, seed, *inputs(dtype, device), dropout=p, **asked)  # [B, H, N, 2N]
+    except Unsupported:
+        if "is_causal" not in asked:
+            raise
+        return None  # neither a mask nor is_causal
+    return out.detach().to("cpu", F64), how
 
 
 def _rate(case) -> float:
@@ -38,18 +72,10 @@ def _require_dropout(target, case) -> None:
 def readout(target, case, causal: bool, seed=None):
     """(dropped weights [B, H, N, 2N] in float64, how causality was asked) with q = k = 0, so every allowed key has
     weight 1/n_i, and V = [I | I], so output columns j and N + j both read weight j: the case's dtype, device, rate
-    and seed (or ``seed``), read as the diagnosis reads it (mistakes_dropout.dropped); None for a causal readout of
+    and seed (or ``seed``), read as the diagnosis reads it (:func:`dropped`); None for a causal readout of
     a kernel that takes neither a mask nor is_causal."""
     return dropped(target, _rate(case), case.seed if seed is None else seed, causal=causal, dtype=case.torch_dtype,
                    device=case.device)
-
-
-def _named(target) -> str:
-    """The catalog's name for what the readout shows (attn_spec.diagnosis.mistakes_dropout), or ""."""
-    from attn_spec.diagnosis import MISTAKES
-
-    found, _ = judge(target, [m for m in MISTAKES.values() if m.level == "dropout"])
-    return found[0].describe(found[1]) if found else ""
 
 
 @prop("dropout-mask", family="dropout",
@@ -94,18 +120,18 @@ def dropout_mask(target, case):
         if not causal and torch.equal(got, readout(target, case, causal, seed=case.seed + 1)[0]):
             fail("the same weights", what=f"the readout after torch.manual_seed({case.seed}) and ({case.seed + 1})",
                  expected="different dropout masks", call=call, got=first[0, 0, :4, :6], **shown,
-                 cause=lambda: _named(target))
+                 cause=because("dropout-readout", target=target))
         if not torch.equal(first, second):
             fail("two copies of one weight differ", what="output columns j and N + j (both read weight j)",
                  expected="equal: dropout drops weights, each feeding every output column",
                  call=call, got=first[0, 0, :3, :6], expected_tensor=second[0, 0, :3, :6],
                  labels=("columns 0..5 (weights 0..5)", f"columns {N}..{N + 5} (the same weights)"),
                  summary=shown["summary"],
-                 cause=lambda: _named(target))
+                 cause=because("dropout-readout", target=target))
         if (first[..., ~allowed] != 0).any():
             fail("weight on masked keys", what="the dropped weights above the causal diagonal", expected="0",
                  call=call, got=first[0, 0, :4, :6], **shown,
-                 cause=lambda: _named(target))
+                 cause=because("dropout-readout", target=target))
         expected = 1.0 / (allowed.sum(-1, keepdim=True).to(F64) * (1 - p))  # [N, 1]
         kept = first != 0  # [B, H, N, N]
         eps = torch.finfo(case.torch_dtype).eps
@@ -114,13 +140,13 @@ def dropout_mask(target, case):
             fail(f"{first[wrong][0].item():.6g} where weights may only be 0 or 1/(n_i (1 - p))", what="a kept weight",
                  expected=f"{expected[wrong.nonzero()[0, 2]].item():.6g} (row {wrong.nonzero()[0, 2].item()}: "
                           f"1/({int(allowed[wrong.nonzero()[0, 2]].sum())} x {1 - p:g}))",
-                 call=call, got=first[0, 0, :4, :6], **shown, cause=lambda: _named(target))
+                 call=call, got=first[0, 0, :4, :6], **shown, cause=because("dropout-readout", target=target))
         trials = int(allowed.sum()) * first.shape[0] * first.shape[1]
         fraction, spread = kept.sum().item() / trials, Z * math.sqrt(p * (1 - p) / trials)
         if abs(fraction - (1 - p)) > spread:
             fail(f"kept fraction {fraction:.4f}", what=f"the fraction of the {trials} allowed weights kept",
                  expected=f"1 - p = {1 - p:g} within {spread:.4f} ({Z:g} standard deviations)", call=call, **shown,
-                 cause=lambda: _named(target))
+                 cause=because("dropout-readout", target=target))
 
 
 @prop("dropout-mean", family="dropout",
@@ -154,7 +180,7 @@ def dropout_mean(target, case):
         fail("two different outputs", what="two calls after torch.manual_seed with the same seed",
              expected="bitwise equal", call=call, got=first, expected_tensor=again,
              labels=("the first call", "the second call, after the same torch.manual_seed"),
-             cause=lambda: _named(target))
+             cause=because("dropout-readout", target=target))
     copies = [t.expand(runs, *t.shape) for t in (q, k, v)]  # [R, ..., T, D]: R independent draws in one call
     mean = seeded(target, case.seed + 1, *copies, mask, dropout=p).to("cpu", F64).mean(dim=0)  # [..., Tq, Dv]
     exact, weights = reference.attention(q, k, v, mask)  # [..., Tq, Dv], [..., Tq, Tk]
@@ -167,4 +193,4 @@ def dropout_mean(target, case):
         fail(f"mean error {error.flatten()[at]:.4g}", what=f"the mean output of {runs} draws against the float64 "
              "output without dropout", expected=f"within {allowed.flatten()[at]:.4g}", call=call, got=mean,
              expected_tensor=exact, labels=(f"the mean of {runs} outputs", "the float64 output without dropout"),
-             cause=lambda: _named(target) or "the dropout is biased: the mean output is not the output without dropout")
+             cause=because("dropout-biased", target=target))

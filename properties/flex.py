@@ -13,7 +13,8 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import FACTOR, earned, eps, max_error
 from attn_spec.checking.assertions import fail
 from attn_spec.errors import Unsupported
-from attn_spec.targets.mask_mods import DIAGONAL, MASK_FORMS, SCORE_FORMS, alibi_slopes, inferred_heads
+from attn_spec.targets.mask_mods import MASK_FORMS, SCORE_FORMS, alibi_slopes, inferred_heads
+from attn_spec.failures import because
 
 F64 = torch.float64
 MOD_CASES = {"masks": ("none",), "dtypes": ("float64",)}
@@ -64,12 +65,9 @@ def mask_mod_statement(target, case):
     if not differ.any():
         return
     b, h, i, j = differ.nonzero()[0].tolist()  # the first pair, in (b, h, q_idx, kv_idx) order
-    cause = next((text for text, near in statement.near_misses(n_q, n_kv) if torch.equal(got[b, h], near)), "")
-    if not cause and not (got == got[b, h]).all():
-        cause = "the mask depends on the batch or head index, but the statement does not"
+    cause = because("mask-mod-differs", statement=statement, got=got, b=b, h=h)
     _fail(f"{bool(got[b, h, i, j])}", f"mask_mod(b={b}, h={h}, q_idx={i}, kv_idx={j}), the first of {int(differ.sum())} "
-          f"pairs that differ at S_q={n_q}, S_kv={n_kv} (1 = may attend)", cause or f"the mask_mod does not compute "
-          f"{statement.text}", got[b, h].to(F64), expected.to(F64), (B, H, n_q, n_kv),
+          f"pairs that differ at S_q={n_q}, S_kv={n_kv} (1 = may attend)", cause, got[b, h].to(F64), expected.to(F64), (B, H, n_q, n_kv),
           expected_text=f"{bool(expected[i, j])} under {statement.text}", mask=expected,
           labels=(f"the mask_mod's mask at b={b}, h={h} (1 = may attend)", f"the mask of {statement.text}"))
 
@@ -98,8 +96,7 @@ def mask_mod_rows(target, case):
         return
     b, h, _ = empty.nonzero()[0].tolist()
     rows = empty[b, h].nonzero().flatten().tolist()
-    cause = (DIAGONAL if not got[b, h].diagonal().any() else
-             "these queries are masked from every key (an inverted or empty condition?)")
+    cause = because("mask-mod-empty-rows", mask=got[b, h])
     _fail(f"rows {rows} keep no key", f"the query rows of mask_mod(b={b}, h={h}, q_idx, kv_idx) at S_q = S_kv = {n} "
           f"(1 = may attend)", cause, got[b, h].to(F64), None, (B, H, n, n), expected_text="every row keeps a key",
           mask=got[b, h], labels=(f"the mask_mod's mask at b={b}, h={h} (1 = may attend)", ""))

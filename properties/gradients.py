@@ -19,6 +19,7 @@ from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.grad_tolerance import NAMES, judged_backward
 from attn_spec.checking.tolerance import all_finite, max_error
 from attn_spec.properties.informative import require_responsive
+from attn_spec.failures import because
 
 FD_DIRECTIONS, FD_EPS, FD_ATOL, FD_RTOL = 3, 1e-6, 1e-5, 1e-3  # finite differences, as torch.autograd.gradcheck
 def _vjp(mask, judged=None) -> str:
@@ -69,8 +70,7 @@ def gradients(target, case):
         names = " and ".join(NAMES[i] for i in bad)
         fail("NaN or inf", what=names, expected="finite values, as the reference gradients are",
              call=_vjp(mask, judged),
-             cause=f"the backward produces NaN in {names}: it reads padding or out-of-range keys it "
-                   f"does not mask (0 * NaN), or divides by a zero sum",
+             cause=because("backward-nan", names=names),
              got=grads[bad[0]], expected_tensor=expected[bad[0]],
              labels=(f"the target's {NAMES[bad[0]]}", f"{NAMES[bad[0]]} of the float64 reference"))
     if case.mask == "causal" and case.n_kv > 1:
@@ -82,7 +82,8 @@ def gradients(target, case):
         fail(f"{' and '.join(NAMES[j] for j in wrong)} {'differ' if len(wrong) > 1 else 'differs'}; max error of "
              f"{NAMES[i]} {errors[i]:.3g}{_worst_row(judged, i, grads[i], expected[i])}",
              what="the gradients against the float64 reference", budget=allowed[i],
-             call=_vjp(mask, judged), cause=_diagnose(grads, wrong, allowed, judged, expected),
+             call=_vjp(mask, judged),
+             cause=because("gradients-differ", grads=grads, wrong=wrong, allowed=allowed, judged=judged, expected=expected),
              got=grads[i], expected_tensor=expected[i],
              labels=(f"the target's {NAMES[i]}", f"{NAMES[i]} of the float64 reference"))
     if case.dtype == "float64":
@@ -124,28 +125,9 @@ def _no_gradient_from_the_future(target, case, grad_out, allowed):
              what=f"the gradients of keys >= {s} (the future of queries < {s}) with a gradient on queries < {s} only",
              budget=allowed[1] if leak_k > allowed[1] else allowed[2],
              call=_vjp(case.mask) + " zero on queries >= " + str(s),  # a causal case: its mask
-             cause="the backward ignores the causal mask (weights recomputed without it?)",
+             cause=because("backward-ignores-causal-mask"),
              got=leaked, expected_tensor=torch.zeros_like(leaked),
              labels=(f"the target's {'dK' if leak_k > allowed[1] else 'dV'} at keys >= {s}", "zeros"))
-
-
-def _diagnose(grads, wrong, allowed, judged, expected):
-    """The likely bug, from which gradients are off and which classic mistake reproduces them."""
-    zero = [NAMES[i] for i in wrong if not grads[i].any()]
-    if zero:
-        return (f"no gradient reaches {' and '.join(n[1:] for n in zero)}: it is detached "
-                f"(.detach(), .data, or computed under no_grad)")
-    if judged.mask is not None:
-        unmasked = judged.reference(mask=False)
-        if all(max_error(grads[i], unmasked[i]) <= allowed[i] for i in wrong):
-            return "the backward ignores the mask (weights recomputed without it?)"
-    if 2 not in wrong:
-        scale = 1 / math.sqrt(judged.q.shape[-1])
-        if all(max_error(grads[i].double().cpu() * scale, expected[i]) <= allowed[i] for i in wrong):
-            return "dQ and dK miss the 1/sqrt(d_k) factor of the forward (a hand-written backward?)"
-        return "dV is right but dQ and dK are not: the backward through the softmax is wrong " \
-               "(dS = A * (dA - rowsum(A * dA)) without the rowsum term?)"
-    return "the gradients are not those of the forward (a custom autograd.Function with a wrong backward?)"
 
 
 def _finite_differences(target, case, grad_out, grads):
@@ -168,9 +150,7 @@ def _finite_differences(target, case, grad_out, grads):
             fail(f"<G, J u> = {numeric:.6g} from the forward, <J^T G, u> = {analytic:.6g} from the target's own "
                  f"backward", what="finite differences along a random direction u", expected="equal values",
                  budget=allowed, call=f"attention(Q ± eps u, K ± eps u, V ± eps u{with_mask(mask)}) and " + _vjp(mask),
-                 cause="the backward is not the derivative of the forward: finite differences of the "
-                       "output disagree with the target's own gradients (a custom autograd.Function "
-                       "whose backward does not match its forward?)")
+                 cause=because("backward-not-derivative"))
 
 
 @derivation("gradients")

@@ -32,6 +32,7 @@ from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import MhaCase
 from attn_spec.checking.tolerance import budget, max_error, multihead_budget
 from attn_spec.errors import Failure, Unsupported
+from attn_spec.failures import because
 
 SIZE = 4  # the probe's lengths and widths
 TRIVIALLY = ", so this property would hold only trivially"
@@ -167,13 +168,10 @@ def _verdict(changes, noisy: bool, call: str) -> dict | None:
     if not ignored:
         return None
     names = " and ".join(c[0] for c in ignored)
-    cause = (f"the output varies from call to call, and its mean over {NOISY_CALLS} calls does not depend on {names}: "
-             f"random numbers?" if noisy else
-             f"the output does not depend on {names} (zeros, a constant, or an input returned as it is?)")
     name, moved, base, ref_moved, ref, slack = ignored[0]
     return dict(measured=f"moved by {max_error(moved, base):.3g} when {name} was replaced by a fresh draw",
                 what="the output" + (f" (mean of {NOISY_CALLS} calls)" if noisy else ""),
                 expected=f"a move like the reference's, {max_error(ref_moved, ref):.3g}", budget=slack,
-                call=f"{call}, then with {name} replaced", cause=cause + TRIVIALLY, got=moved, expected_tensor=ref_moved,
+                call=f"{call}, then with {name} replaced", cause=because("ignores-inputs", names=names, noisy=noisy), got=moved, expected_tensor=ref_moved,
                 labels=(f"the output with {name} replaced by a fresh draw",
                         f"the float64 reference with {name} replaced"))

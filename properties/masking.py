@@ -19,8 +19,8 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.probes import WEIGHT_LABELS, weights
 from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import budget, max_error
-from attn_spec.diagnosis.numbers import masked_share
 from attn_spec.errors import Uninformative, Unsupported
+from attn_spec.failures import because
 from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.targets.behaviours import behaviour
 from attn_spec.targets.conventions import broadcast_shapes
@@ -64,7 +64,7 @@ def causal_mask(target, case):
     assert_close(after, before, budget=2 * row_reference(q, k, v, mask).budget,
                  what=f"the outputs of queries < {split} after changing keys and values at positions >= {split}",
                  call="attention(Q, K', V', causal mask)",
-                 cause="the output reads the future even though the weights look causal",
+                 cause=because("output-reads-future"),
                  labels=("the outputs with the future keys and values changed",
                          "the target's own outputs before the change (the keys and values as drawn)"))
 
@@ -77,13 +77,9 @@ def _causal_weights(target, case, q, k, mask):
     leak = w.masked_fill(~future, 0.0).abs()
     labels = probes.WEIGHT_LABELS
     if leak.max().item() > 0:
-        diag = torch.diagonal(w, dim1=-2, dim2=-1)
-        cause = ("the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get the weight"
-                 if w.masked_fill(future, 0.0).abs().max() < 1e-3
-                 else "the causal mask is shifted by one (the diagonal is masked)" if diag.abs().max() < 1e-3
-                 else masked_share(w, ~future) or "the mask is ignored or applied after the softmax")
         fail(f"{leak.max().item():.3g}: queries see future keys", what="the largest weight above the diagonal",
-             expected="0", call="attention(Q, K, V=identity, causal mask)", cause=cause, got=w, expected_tensor=ref_w,
+             expected="0", call="attention(Q, K, V=identity, causal mask)", cause=because("causal-leak", w=w, future=future),
+             got=w, expected_tensor=ref_w,
              labels=labels)
     dropped = (ref_w > 1e-3) & (w == 0)  # an allowed key the target never looks at
     if dropped.any():
@@ -91,7 +87,7 @@ def _causal_weights(target, case, q, k, mask):
         fail("0, but j <= i is allowed", what=f"the weight of query {i} on key {j}",
              expected=f"the reference weight {ref_w[..., i, j].flatten()[0].item():.3g}",
              call="attention(Q, K, V=identity, causal mask)",
-             cause="the causal mask is off by one (triu with diagonal=0 masks the current token?)",
+             cause=because("causal-off-by-one"),
              got=w, expected_tensor=ref_w, labels=labels)
 
 
@@ -138,22 +134,6 @@ def _one_copy_per_query(q, k, v, mask, rows):
     return copies(q), copies(k).clone(), copies(v).clone(), copies(mask)
 
 
-def _leak_cause(w, allowed, q, k, mask) -> str:
-    """Why masked keys got weight: inverted polarity, an ignored mask, or a finite fill value."""
-    mixed = (~allowed).any(dim=-1)  # [..., Tq] rows with some masked key
-    on_allowed = w.masked_fill(~allowed, 0.0).nan_to_num(0.0).sum(dim=-1)  # [..., Tq]
-    if mixed.any() and on_allowed[mixed].abs().max() < 1e-3:
-        return "the mask is applied with inverted polarity (True taken as 'ignore'): masked keys get all the weight"
-    if max_error(w, reference.attention(q, k, k, None)[1]) < 1e-3:
-        return "the mask is ignored"
-    shared = masked_share(w, allowed)
-    if shared:
-        return shared
-    if w.masked_fill(allowed, 0.0).nan_to_num(1.0).abs().max() < 1e-2:
-        return "masked keys keep a small weight: the fill value is finite and too small (use -inf or finfo.min)"
-    return "the mask does not reach these keys (broadcast over the wrong dims, or applied to the wrong axis?)"
-
-
 @prop("mask-semantics", family="masking",
       statement="masked keys get exactly zero weight; the output does not depend on K or V at masked positions; "
                 "where additive masks are in the target's contract (sdpa, torch-mha, flex, hf with float masks, or declared with --masks), "
@@ -195,7 +175,7 @@ def mask_semantics(target, case):
     leak = w.masked_fill(allowed, 0.0)  # NaN stays, and NaN != 0
     if (leak != 0).any():
         fail(_worst_leak(leak), what="the largest weight on a masked key", expected="exactly 0",
-             call="attention(Q, K, V=identity, mask)", cause=_leak_cause(w, allowed, q, k, mask), got=w,
+             call="attention(Q, K, V=identity, mask)", cause=because("mask-leak", w=w, allowed=allowed, q=q, k=k, mask=mask), got=w,
              expected_tensor=reference.attention(q, k, k, mask)[1], labels=probes.WEIGHT_LABELS)
     _check_masked_inputs_unused(target, q, k, v, mask)
     _check_sunk_rows(target, q, k, mask)
@@ -221,9 +201,9 @@ def _check_sunk_rows(target, q, k, mask):
             continue
         fail(_worst_leak(leak), what=f"the largest weight on a masked key when every score is {-level / math.sqrt(q.shape[-1]):.3g}",
              expected="exactly 0", call="attention(Q', K', V=identity, mask), q_i = a e_0, k_j = -a e_0",
-             cause="masked scores are replaced by a finite fill (masked_fill(~mask, -1e4) or -1e9) that lies above "
-                   "the allowed scores, so the masked keys take the weight (fill with -inf or finfo(dtype).min)"
-             if (leak.nan_to_num(0.0).sum(dim=-1) > 0.5).any() else _leak_cause(w, allowed, q2, k2, mask),
+             cause=because("finite-fill-above")
+             if (leak.nan_to_num(0.0).sum(dim=-1) > 0.5).any() else because("mask-leak", w=w, allowed=allowed, q=q2, k=k2,
+                                                                              mask=mask),
              got=w, expected_tensor=reference.attention(q2, k2, k2, mask)[1], inputs={"Q'": q2, "K'": k2})
 
 
@@ -245,17 +225,13 @@ def _check_masked_inputs_unused(target, q, k, v, mask):
     if max_error(moved, base) <= allowed:
         return
     moved_k = own(target.attend(qs, loud_k, vs, ms))  # which of the two reaches the output?
-    cause = ("masked keys' large scores still enter the softmax, so the allowed weights underflow to 0/0 "
-             "(mask applied after the softmax, then renormalised?)" if not torch.isfinite(moved_k).all() else
-             "masked keys still count: the mask is applied after the softmax, or as a finite additive "
-             "bias that large scores overwhelm (fill with -inf or finfo.min)")
     labels = ("the output after the move", "the target's own output before it")
     assert_close(moved_k, base, budget=allowed, call="attention(Q, K', V, mask), one copy per query", labels=labels,
                  what=f"the output after moving K at masked positions (scores up to about {limit:.3g}), "
-                      f"for the queries they are masked for", cause=cause)
+                      f"for the queries they are masked for", cause=because("masked-keys-count", got=moved_k))
     assert_close(moved, base, budget=allowed, call="attention(Q, K', V', mask), one copy per query", labels=labels,
                  what=f"the output after adding {limit:.3g} to V at masked positions",
-                 cause="values at masked positions reach the output: their weight is not exactly 0")
+                 cause=because("masked-values-reach-output"))
 
 
 def _check_float_mask(target, case, q, k, v, mask):
@@ -275,9 +251,7 @@ def _check_float_mask(target, case, q, k, v, mask):
     assert_close(got, out, budget=2 * allowed, what="the output with a float mask of 0 / -inf against the output "
                  "with the equivalent bool mask", call="attention(Q, K, V, float_mask)",
                  labels=("the output with the float mask", "the target's own output with the equivalent bool mask"),
-                 cause=lambda: "the float mask is read as a keep-mask (positions equal to 0 are masked)"
-                 if max_error(got, reference.attention(q, k, v, ~mask)[0]) < 1e-3 else
-                 "a float mask is not added to the scores as a bias")
+                 cause=because("float-mask-read", got=got, q=q, k=k, v=v, mask=mask))
     if max_error(out, expected) > allowed:
         return  # the plain output is already off: matches-reference reports that, not this property
     gen = torch.Generator().manual_seed(case.seed)
@@ -286,14 +260,9 @@ def _check_float_mask(target, case, q, k, v, mask):
     got = target.attend(q, k, v, biased)
     expected = reference.attention(q, k, v, biased)[0]
     allowed = budget(q, k, v, biased, expected)
-
-    def cause():
-        scaled = reference.attention(q, k, v, biased / math.sqrt(case.d_k))[0]
-        return ("the float mask is scaled with the scores ((QK^T + mask) / sqrt(d_k)); add it after scaling"
-                if max_error(got, scaled) <= max(allowed, 1e-3) else
-                "a finite float mask is not added to the scaled scores as a bias")
     assert_close(got, expected, budget=allowed, what="the output with a finite float mask against the float64 "
-                 "reference", call="attention(Q, K, V, float_mask)", cause=cause)
+                 "reference", call="attention(Q, K, V, float_mask)",
+                 cause=because("float-mask-scaled", got=got, q=q, k=k, v=v, bias=biased, allowed=allowed))
 
 
 @prop("is-causal", family="masking",

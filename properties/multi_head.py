@@ -4,10 +4,6 @@ Each function's docstring states the math, why it matters, and the bugs it catch
 """
 from __future__ import annotations
 
-import math
-
-import torch
-
 from attn_spec import reference
 from attn_spec.checking import chunked
 from attn_spec.checking.assertions import assert_close
@@ -16,6 +12,7 @@ from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import max_error, multihead_budget
 from attn_spec.errors import TargetRaised, Unsupported
+from attn_spec.failures import because
 from attn_spec.targets.behaviours import behaviour
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, MULTIHEAD_CONVENTIONS
 from attn_spec.properties.informative import require_responsive
@@ -51,46 +48,8 @@ def head_concat_equivalence(target, case):
     allowed = multihead_budget(x_q, x_kv, weights, case.n_heads, mask, expected)
     assert_close(got, expected, budget=allowed, what="the output against the concatenation of per-head attentions",
                  call="forward(x_q, x_kv)" if mask is None else "forward(x_q, x_kv, mask)",
-                 cause=lambda: _diagnose_heads(got, x_q, x_kv, weights, case, mask, allowed))
-
-
-def _diagnose_heads(got, x_q, x_kv, weights, case, mask, allowed):
-    """Which classic multi-head mistake reproduces the target's output?"""
-    W = {n: w.to("cpu", torch.float64) for n, w in weights.items()}
-    x_q, x_kv = x_q.to("cpu", torch.float64), x_kv.to("cpu", torch.float64)
-    h, d = case.n_heads, case.d_model
-    dh = d // h
-
-    def run(split, merge, scale, out_proj=True):
-        q, k, v = split(x_q @ W["W_Q"].T), split(x_kv @ W["W_K"].T), split(x_kv @ W["W_V"].T)
-        heads, _ = reference.attention(q, k, v, mask, scale=scale)
-        concat = merge(heads)
-        return concat @ W["W_O"].T if out_proj else concat
-
-    def good_split(t):
-        return t.view(t.shape[0], h, dh).transpose(0, 1)
-
-    def good_merge(t):
-        return t.transpose(0, 1).reshape(-1, d)
-
-    def view_split(t):
-        return t.reshape(h, t.shape[0], dh)
-
-    def view_merge(t):
-        return t.reshape(-1, d)
-
-    s = 1 / math.sqrt(dh)
-    candidates = [
-        ("heads are split with view and no transpose (tokens mixed across heads)", run(view_split, good_merge, s)),
-        ("heads are merged with view and no transpose", run(good_split, view_merge, s)),
-        ("heads are split and merged with view and no transpose", run(view_split, view_merge, s)),
-        ("the scale uses d_model instead of the per-head d_k", run(good_split, good_merge, 1 / math.sqrt(d))),
-        ("W_O is not applied to the concatenated heads", run(good_split, good_merge, s, out_proj=False)),
-    ]
-    for cause, candidate in candidates:
-        if max_error(got, candidate) <= max(allowed, 1e-3):
-            return cause
-    return "the heads are not independent attentions over their own slices"
+                 cause=because("heads-differ", got=got, x_q=x_q, x_kv=x_kv, weights=weights, case=case, mask=mask,
+                               allowed=allowed))
 
 
 def _multihead_forms(X, W: dict, h: int):

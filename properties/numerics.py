@@ -14,15 +14,13 @@ from attn_spec.checking.assertions import assert_close, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.rows import reference as row_reference
-from attn_spec.checking.tolerance import budget, max_error
-from attn_spec.diagnosis import MISTAKES
-from attn_spec.diagnosis.mismatch import output
+from attn_spec.checking.tolerance import budget
+from attn_spec.failures import because
 from attn_spec.targets.base import MULTIHEAD_CONVENTIONS
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import push_limit, sink_levels, sunk_inputs
 
 
-UNSTABLE_MISTAKES = ("exp-without-max", "max-over-tensor")  # the catalog's unstable softmaxes (attn_spec.diagnosis)
 
 
 def beyond_exp(dtype: torch.dtype) -> float:
@@ -71,19 +69,10 @@ def numerical_stability(target, case):
     loud = (q.double() * gain.unsqueeze(-1)).to(q.dtype)  # [..., Tq, Dk]
     got = target.attend(loud, k, v, mask)  # [..., Tq, Dv]
     ref = row_reference(loud, k, v, mask)  # on chosen rows at long lengths (checking.rows)
-
-    def cause():
-        bad = ~torch.isfinite(got).all(dim=-1)  # [..., Tq] rows with NaN or inf
-        unstable = ((MISTAKES[m].cause_for(), output(m, loud, k, v, mask)) for m in UNSTABLE_MISTAKES) \
-            if chunked.fits(q, k, v, mask) else ()  # each model in the inputs' dtype, its outputs [..., Tq, Dv]
-        return next((d for d, out in unstable
-                     if bad.any() and out is not None and torch.equal(~torch.isfinite(out).all(dim=-1), bad.cpu())),
-                    "large scores are clipped or lose precision (a clamp on the scores, or a narrower type inside?)"
-                    if not bad.any() else "NaN or inf in rows with large scores")
     ref.check(got, call=f"attention(Q', K, V{with_mask(mask)}), Q' = Q with some rows scaled",
               inputs={"Q'": loud, "K": k, "V": v, "mask": mask},
               what=f"the output with scores up to {beyond_exp(q.dtype):.3g} in some rows against the float64 "
-                   f"reference", cause=cause)
+                   f"reference", cause=because("large-scores", got=got, q=loud, k=k, v=v, mask=mask))
     if chunked.fits(q, k, v, mask):  # a second call of the same size; at fixed large shapes, the first alone
         _check_sunk_rows(target, q, k, v, mask)
 
@@ -100,15 +89,8 @@ def _check_sunk_rows(target, q, k, v, mask):
     for level, q2, k2, got in runs:
         expected = reference.attention(q2, k2, v, mask)[0]
         allowed = budget(q2, k2, v, mask, expected)
-
-        def cause(got=got, q2=q2, k2=k2, allowed=allowed):
-            if not torch.isfinite(got).all():
-                return "exp underflows to 0/0 on very negative scores: subtract each row's max before exp"
-            if mask is not None and max_error(got, reference.attention(q2, k2, v, ~mask)[0]) <= max(allowed, 1e-3):
-                return ("masked scores are replaced by a finite fill (masked_fill(~mask, -1e4) or -1e9) that lies "
-                        "above the allowed scores: the masked keys take the weight (fill with -inf or finfo(dtype).min)")
-            return "very negative scores lose the row's weights (a clamp on the scores, or a finite fill above them?)"
         assert_close(got, expected, budget=allowed, call=f"attention(Q', K', V{with_mask(mask)}), q_i = a e_0, k_j = -a e_0",
                      inputs={"Q'": q2, "K'": k2, "V": v, "mask": mask},
                      what=f"the output when every score is {-level / math.sqrt(q.shape[-1]):.3g} against the float64 "
-                          f"reference", cause=cause)
+                          f"reference", cause=because("sunk-rows", got=got, q=q2, k=k2, v=v, mask=mask,
+                                                      allowed=allowed))

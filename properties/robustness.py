@@ -13,11 +13,12 @@ from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.checking.tolerance import budget, max_error, multihead_budget
+from attn_spec.checking.tolerance import budget, multihead_budget
 from attn_spec.errors import TargetRaised
 from attn_spec.targets.capabilities import supports
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import cross_or_self
+from attn_spec.failures import because, worded
 
 
 def _output(target, case):
@@ -82,17 +83,14 @@ def determinism(target, case):
              expected="a new result (V + 1 adds 1 to every output row)",
              call=f"{_call_name(case)}, then again after V.add_(1)", got=between, expected_tensor=first,
              labels=("the output after V.add_(1)", "the output before"),
-             cause="returned the result of an earlier call for inputs at the same address: a cache keyed by the "
-                   "inputs' data pointer or shape?")
+             cause=because("stale-cache"))
     second = _output(target, case)
     if not _identical(first, second):
         differ = (first != second).sum().item()
         fail(f"{differ} of {first.numel()} entries differ", what="the outputs of two calls on the same inputs",
              expected="bitwise identical outputs", call=_call_name(case) + ", twice", got=second, expected_tensor=first,
              labels=("the output of the second call", "the output of the first call, same inputs"),
-             cause="the output changes from call to call: randomness at inference (dropout left on: "
-                   "F.dropout defaults to training=True; added noise) or state kept between calls "
-                   "(a KV cache left on, a reused buffer)")
+             cause=because("nondeterministic"))
 
 
 @prop("inputs-unchanged", family="robustness",
@@ -128,22 +126,11 @@ def inputs_unchanged(target, case):
             continue
         if new.shape != old.shape:
             fail(f"{list(new.shape)}", what=f"the shape of {name} after the call", expected=f"{list(old.shape)} as before",
-                 call=_call_name(case), cause=f"{name} is transposed or reshaped in place (transpose_, t_, resize_?)")
+                 call=_call_name(case), cause=because("reshaped-in-place", name=name))
         if not _identical(new, old):
             fail("modified in place", what=f"{name} after the call", expected=f"{name} bitwise unchanged",
-                 call=_call_name(case), cause=_in_place_cause(name, new, old), got=new, expected_tensor=old,
+                 call=_call_name(case), cause=because("changed-in-place", name=name, new=new, old=old), got=new, expected_tensor=old,
                  labels=(f"{name} after the call", f"{name} before the call"))
-
-
-def _in_place_cause(name, new, old) -> str:
-    if new.dtype == torch.bool:
-        return (f"{name} was inverted in place (logical_not_() to switch polarity?)" if torch.equal(new, ~old)
-                else f"{name} was overwritten in place (masked_fill_, copy_?)")
-    ratio = new.double() / old.double()  # [..., T, D]
-    ratio = ratio[old != 0]
-    if ratio.numel() and torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-2):
-        return f"{name} was scaled in place by {ratio[0].item():.4g} ({name}.mul_(scale) or {name} *= ...)"
-    return f"{name} was changed by an in-place operation (a method ending in _ or an augmented assignment)"
 
 
 @prop("dtype-device", family="robustness",
@@ -173,14 +160,11 @@ def dtype_device(target, case):
     want_dtype, want_device = case.torch_dtype, torch.device(case.device)
     if out.device.type != want_device.type:
         fail(f"{out.device}", what="the output's device", expected=f"{case.device}, the inputs' device",
-             call=_call_name(case), cause="a tensor is created without device= (torch.zeros(shape) lands on the CPU)")
+             call=_call_name(case), cause=because("tensor-without-device"))
     if out.dtype != want_dtype:
         name = str(out.dtype).replace("torch.", "")
-        cause = (f"a buffer is created without dtype= (torch.zeros(shape) is {name}, the default dtype), "
-                 f"or an upcast for the softmax is never cast back" if out.dtype == torch.get_default_dtype()
-                 else f"the result is computed in {name} and never cast back to {case.dtype}")
         fail(name, what="the output's dtype", expected=f"{case.dtype}, the inputs' dtype", call=_call_name(case),
-             cause=cause)
+             cause=because("wrong-dtype", got=out.dtype, wanted=case.dtype))
 
 
 def _column_major(t):
@@ -272,14 +256,10 @@ def _same_output(run, layout, strided, expected, limit):
         got = run(*strided)
     except TargetRaised as exc:
         exc.message = f"on {layout} inputs, {exc.message}"
-        exc.cause = "the code assumes contiguous inputs: .view() on a non-contiguous tensor (use .reshape())?"
+        exc.cause = worded(because("view-on-non-contiguous"))
         raise
-    cause = ("the code reads outside the view: it ignores the strides or the storage offset (NaN from "
-             "the buffer around the slice)" if not torch.isfinite(got).all()
-             else "the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
-                  "or a kernel computing i * D + j)")
     assert_close(got, expected, budget=limit, what=f"the output on {layout} inputs against contiguous copies of them",
-                 call=f"the target on {layout} inputs", cause=cause,
+                 call=f"the target on {layout} inputs", cause=because("strides-ignored", got=got),
                  labels=(f"the output on {layout} inputs", "the target's own output on contiguous copies of them"))
 
 
@@ -318,8 +298,7 @@ def long_sequences(target, case):
         got = target.attend(*_long_inputs(case, square, takes))  # [Tq, Dv]
     except TargetRaised as exc:
         if takes.crash_length is not None:  # where it starts, measured by the length probe
-            exc.cause = (f"the target {takes.length_crash}: a hard-coded size? (a deliberate limit is declared: "
-                         f"raise NotImplementedError past it, or a block_size of that size on the module)")
+            exc.cause = worded(because("length-crash", crash=takes.length_crash))
         raise
     q, k, v, mask = _long_inputs(case, square, takes)  # the kit's own copies: the target may write into them
     inputs = {"Q": q, "K": k, "V": v, "mask": mask}  # the call's, not the drawn case's (n_kv times LONG_KEYS)
@@ -328,7 +307,8 @@ def long_sequences(target, case):
     assert_close(got, expected, budget=allowed, what="the output against the float64 reference",
                  call=f"attention(Q [{case.n_q}, {case.d_k}], K [{k.shape[-2]}, {case.d_k}], V [{k.shape[-2]}, "
                       f"{case.d_v}]{', causal mask' if case.mask == 'causal' else ''}), {case.dtype}",
-                 cause=lambda: _diagnose_long(got.detach().cpu().double(), q, k, v, mask, expected, allowed),
+                 cause=because("long-rows", got=got.detach().cpu().double(), q=q, k=k, v=v, mask=mask, expected=expected,
+                               allowed=allowed),
                  inputs=inputs)
 
 
@@ -344,25 +324,3 @@ def _long_inputs(case, square=False, takes=None):
     if case.mask == "causal":
         mask = reference.causal_mask(case.n_q, n_kv, alignment="bottom-right", device=q.device)  # [Tq, Tk]
     return q, k, v, mask
-
-
-def _diagnose_long(got, q, k, v, mask, expected, allowed) -> str:
-    """Which long-sequence mistake reproduces the output: overflow, dropped keys, ignored dims?"""
-    if not torch.isfinite(got).all():
-        return "the output overflows to NaN or inf on long rows (float16 sums beyond 65504? exp without max?)"
-    if not got.abs().amax(dim=-1).all() and expected.abs().amax(dim=-1).all():
-        return "rows come out as zeros: the softmax's sum overflowed to inf (exp without subtracting the max?)"
-    n_kv, d_k = k.shape[-2], q.shape[-1]
-    for kept in (128, 256, 512, 1024, 2048):
-        if kept < n_kv:
-            m = None if mask is None else mask[..., :kept]
-            if m is None or m.any(dim=-1).all():
-                truncated = reference.attention(q, k[..., :kept, :], v[..., :kept, :], m)[0]
-                if max_error(got, truncated) <= allowed:
-                    return f"only the first {kept} keys are used: a fixed-size buffer or block loop drops the rest"
-    for dims in (64, 128):
-        if dims < d_k:
-            partial = reference.attention(q[..., :dims], k[..., :dims], v, mask, scale=1 / math.sqrt(d_k))[0]
-            if max_error(got, partial) <= allowed:
-                return f"only the first {dims} of d_k={d_k} dims enter the scores (a head-dim tile limit)"
-    return "long rows lose accuracy (an accumulation kept in a low precision?)"

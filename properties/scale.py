@@ -14,8 +14,8 @@ from attn_spec.checking import probes
 from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
-from attn_spec.checking.tolerance import budget, max_error
-from attn_spec.diagnosis.numbers import name_scale
+from attn_spec.checking.tolerance import budget
+from attn_spec.failures import because
 from attn_spec.properties.informative import require_responsive
 
 
@@ -57,7 +57,7 @@ def scale_sqrt_dk(target, case):
         if not math.isclose(s, expected, rel_tol=tol):
             other = 4 * d_k if d_k <= 64 else d_k // 4  # a second width reveals the law c * d_k^p
             law = {d_k: s, other: at(other)}
-            name = name_scale(law, n_heads)
+            name = probes.name_scale(law, n_heads)
             gap = math.sqrt(d_k)  # raw score gap between the probe's two keys
             got, want = torch.sigmoid(torch.tensor(s * gap, dtype=torch.float64)), torch.sigmoid(torch.tensor(1.0))
             fail(f"{s:.4g} at d_k={d_k} and {law[other]:.4g} at d_k={other}: {name}",
@@ -66,8 +66,7 @@ def scale_sqrt_dk(target, case):
                  call="forward(x, x), x = [(1 - sqrt(d_k)) e_0, e_0] in each head, identity projections; token 1 read"
                  if isinstance(case, MhaCase) else "attention(Q = [e_0, e_0], K = [0, sqrt(d_k) e_0], V = [[0], [1]]); "
                                                    "query 1 read",
-                 cause=f"scores are scaled by {name} instead of 1/sqrt(d_k)"
-                 if not name.startswith(("unreadable", "negative")) else f"the scale is {name}",
+                 cause=because("scale-named", name=name),
                  got=torch.stack([1 - got, got])[None], expected_tensor=torch.stack([1 - want, want])[None],
                  labels=(f"the probe's weights on its two keys at d_k={d_k}", "the weights at scale 1/sqrt(d_k)"),
                  inputs={"x": probes.scale_module_input(d_k, n_heads, dtype)} if isinstance(case, MhaCase) else
@@ -138,14 +137,6 @@ def scale_argument(target, case):
     expected, _ = reference.attention(q, k, v, mask, scale=s)  # [..., Tq, Dv]
     allowed = budget(q, k, v, mask, expected, scale=s)
 
-    def cause():
-        default, _ = reference.attention(q, k, v, mask)
-        both, _ = reference.attention(q, k, v, mask, scale=s / math.sqrt(case.d_k))
-        return ("the scale argument is ignored (the default 1/sqrt(d_k) is used)"
-                if max_error(got, default) <= allowed
-                else "the default 1/sqrt(d_k) is applied on top of the given scale"
-                if max_error(got, both) <= allowed
-                else "a negative scale breaks the computation (sqrt(scale) split between Q and K?)"
-                if s < 0 else "the given scale is not applied to Q K^T as a single factor")
     assert_close(got, expected, budget=allowed, what=f"the output with scale={s:.4g} against the float64 reference",
-                 call=f"attention(Q, K, V{', mask' if mask is not None else ''}, scale={s:.4g})", cause=cause)
+                 call=f"attention(Q, K, V{', mask' if mask is not None else ''}, scale={s:.4g})",
+                 cause=because("scale-argument", got=got, q=q, k=k, v=v, mask=mask, scale=s, allowed=allowed))

@@ -6,40 +6,15 @@ math, why it matters, and the bugs it catches.
 """
 from __future__ import annotations
 
-import math
-
 from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.probes import WEIGHT_LABELS, weights
 from attn_spec.checking.tolerance import max_error, softcap_budget
-from attn_spec.diagnosis import MISTAKES
-from attn_spec.diagnosis.mismatch import output
-from attn_spec.properties.inputs import near
+from attn_spec.failures import because
 
 CAPS = (1.0, 5.0, 20.0, 50.0)  # picked by the case's seed; 50 is Gemma 2's attention cap
-
-
-def _candidates(q, k, v, mask, cap):
-    """(cause, output) for the classic softcap mistakes on these inputs, in float64: the catalog's models
-    (attn_spec.diagnosis: softcap-without-factor, softcap-after-mask) in their own words, and the reference with its
-    options for the cap ignored, cap * tanh(s) and the cap before the scale."""
-    scale = 1 / math.sqrt(q.shape[-1])
-
-    def scaled_after_cap(s):  # s = cap * tanh(Q K^T / cap), masked: the reference's softmax of s / sqrt(d_k)
-        return reference.softmax_keys(s * scale)
-
-    def mistake(mistake_id):
-        return MISTAKES[mistake_id].cause_for(), output(mistake_id, q, k, v, mask, softcap=cap)
-
-    yield "the softcap argument is ignored: scores are not capped", reference.attention(q, k, v, mask)[0]
-    yield mistake("softcap-without-factor")
-    yield ("the scores are not divided by the cap: cap * tanh(s) instead of cap * tanh(s / cap)",
-           reference.attention(q, k, v, mask, scale=scale * cap, softcap=cap)[0])  # cap tanh(scale cap QK^T / cap)
-    yield mistake("softcap-after-mask")
-    yield ("the cap is applied before the scale: cap * tanh(Q K^T / cap) / sqrt(d_k)",
-           reference.attention(q, k, v, mask, scale=1.0, softcap=cap, softmax=scaled_after_cap)[0])
 
 
 @prop("softcap", family="scores",
@@ -71,10 +46,8 @@ def softcap(target, case):
     err = max_error(got, expected)
     if err <= allowed:
         return
-
-    cause = next((text for text, out in _candidates(q, k, v, mask, cap) if out is not None and near(got, out, allowed)),
-                 "the scores are not capped as cap * tanh(s / cap) before the mask")
     fail(f"max error {err:.3g}", what=f"the output with softcap = {cap:g} against the float64 reference (weights shown)",
-         budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, softcap={cap:g})", cause=cause,
+         budget=allowed, call=f"attention(Q, K, V{', mask' if mask is not None else ''}, softcap={cap:g})",
+         cause=because("softcap", got=got, q=q, k=k, v=v, mask=mask, cap=cap, allowed=allowed),
          got=weights(target, q, k, mask, softcap=cap), expected_tensor=reference.attention(q, k, v, mask, softcap=cap)[1],
          labels=WEIGHT_LABELS)

@@ -10,8 +10,8 @@ from attn_spec import reference
 from attn_spec.checking.assertions import fail
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.errors import Failure
 from attn_spec.properties.informative import require_responsive
+from attn_spec.failures import because
 
 
 @prop("cross-attention-shapes", family="shapes",
@@ -37,18 +37,5 @@ def cross_attention_shapes(target, case):
     if not torch.isfinite(out).all():
         fail("NaN or inf", what="the output of a rectangular case", expected="finite values",
              call=f"attention(Q [{case.n_q}, {case.d_k}], K [{case.n_kv}, {case.d_k}], V [{case.n_kv}, {case.d_v}])",
-             cause=lambda: _nonfinite_cause(target, case), got=out,
+             cause=because("nonfinite-shape", target=target, case=case), got=out,
              expected_tensor=reference.attention(q, k, v, mask)[0])
-
-
-def _nonfinite_cause(target, case) -> str:
-    """NaN out of a rectangular case: is it the shape, or does a square case give NaN too?"""
-    square = case.replace(n_kv=case.n_q, d_v=case.d_k)
-    try:
-        out = target.attend(*square.tensors())
-    except Failure:
-        out = None
-    if out is not None and not torch.isfinite(out).all():
-        return ("the output has NaN or inf on square inputs too: not a matter of shape (an overflowing exp, a 0/0, "
-                "or reads outside the inputs?)")
-    return "a square shape (n_q == n_kv or d_v == d_k) is assumed somewhere"

@@ -13,10 +13,8 @@ from attn_spec.checking.assertions import assert_close, fail, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.tolerance import budget, max_error
-from attn_spec.diagnosis import MISTAKES
-from attn_spec.diagnosis.mismatch import output
-from attn_spec.diagnosis.numbers import weight_factor
 from attn_spec.errors import Uninformative
+from attn_spec.failures import because
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import push_limit
 
@@ -51,16 +49,12 @@ def rows_sum_to_one(target, case):
     ref_w = reference.attention(q, k, k, mask)[1]  # [..., Tq, Tk]
     labels = probes.WEIGHT_LABELS
     if max_error(sums, torch.ones(sums.shape, dtype=torch.float64)) > allowed:
-        col_sums = w.double().sum(dim=-2)  # [..., Tk]
-        cause = ("the weights have NaN or inf although every input is finite (0/0 or an overflowing exp?)"
-                 if not torch.isfinite(sums).all() else "weights sum over queries, not keys (softmax over dim -2?)"
-                 if case.n_q > 1 and max_error(col_sums, torch.ones_like(col_sums)) <= allowed * case.n_q
-                 else weight_factor(w, ref_w) or "the weights are not normalised by the sum over keys")
         fail(_fmt(sums), what="the row sums of the weights", expected="1", budget=allowed,
-             call="attention(Q, K, V=ones)", cause=cause, got=w, expected_tensor=ref_w, labels=labels)
+             call="attention(Q, K, V=ones)", cause=because("row-sums", sums=sums, w=w, ref_w=ref_w, allowed=allowed),
+             got=w, expected_tensor=ref_w, labels=labels)
     if w.double().min().item() < -allowed:
         fail(f"{w.double().min().item():.3g}", what="the smallest weight", expected="a weight >= 0", budget=allowed,
-             call="attention(Q, K, V=identity)", cause="weights are not a softmax (no exp?)", got=w,
+             call="attention(Q, K, V=identity)", cause=because("weights-not-softmax"), got=w,
              expected_tensor=ref_w, labels=labels)
 
 
@@ -91,7 +85,6 @@ def _fmt(t):
     return f"[{shown}{', ...' if flat.numel() > 6 else ''}]"
 
 
-SHIFT_MISTAKES = ("relu-normalised", "keys-normalised", "max-over-queries")  # catalog weightings a key shift changes
 
 
 @prop("key-shift-invariance", family="softmax",
@@ -132,25 +125,8 @@ def key_shift_invariance(target, case):
     assert_close(after, before, budget=allowed, call=f"attention(Q, K + c, V{with_mask(mask)})",
                  labels=("the output on K + c", "the target's own output on K, before the shift"),
                  what=f"the output after adding c = {size:.3g} * {direction.tolist()} to every key",
-                 cause=lambda: _shift_cause(before, after, q, k, shifted, v, mask, allowed))
-
-
-def _shift_cause(before, after, q, k, shifted, v, mask, allowed) -> str:
-    """The classic weighting (a model of the catalog, attn_spec.diagnosis) that reproduces the target's outputs
-    before and after the shift, in the model's own words."""
-    def reproduces(got, out):  # NaN where the mistake gives NaN counts as reproduced
-        if out is None:  # the model raised on these inputs
-            return False
-        limit = max(allowed, 1e-3 * max(1.0, out.nan_to_num(0.0).abs().max().item()))
-        return max_error(got.nan_to_num(0.0), out.nan_to_num(0.0)) <= limit
-
-    for mistake_id in SHIFT_MISTAKES:
-        if reproduces(before, output(mistake_id, q, k, v, mask)) and \
-                reproduces(after, output(mistake_id, q, shifted, v, mask)):
-            return MISTAKES[mistake_id].cause_for()
-    if torch.isfinite(before).all() and not torch.isfinite(after).all():
-        return "shifted scores overflow exp: subtract each row's max before exp"
-    return "the weights are not a softmax of the scores (a shift of every score in a row changes them)"
+                 cause=because("key-shift", before=before, after=after, q=q, k=k, shifted=shifted, v=v, mask=mask,
+                               allowed=allowed))
 
 
 @derivation("key-shift-invariance")

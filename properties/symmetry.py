@@ -14,6 +14,7 @@ from attn_spec.checking.tolerance import budget, multihead_budget
 from attn_spec.errors import Uninformative
 from attn_spec.properties.informative import require_responsive
 from attn_spec.properties.inputs import cross_or_self
+from attn_spec.failures import because
 
 
 @prop("permutation-equivariance", family="symmetry",
@@ -53,7 +54,7 @@ def permutation_equivariance(target, case):
             assert_close(got, out[p], budget=allowed,
                          what=f"the output for the tokens permuted by {p.tolist()} against the permuted output rows",
                          call="forward(x[p], x[p])", labels=moved,
-                         cause="outputs depend on token positions (heads split without transpose?)")
+                         cause=because("depends-on-token-positions"))
             return
 
         def run(queries, keys, m):  # the keys' rows carry the values too
@@ -76,14 +77,14 @@ def permutation_equivariance(target, case):
         # padding [..., 1, Tk]: the same for every query
         assert_close(got, out[..., p, :], budget=allowed,
                      what=f"the output for the queries permuted by {p.tolist()} against the permuted output rows",
-                     call=f"{name}(Q[p], {kv}{with_mask(mask)})", labels=moved, cause=f"outputs depend on query positions ({where})")
+                     call=f"{name}(Q[p], {kv}{with_mask(mask)})", labels=moved, cause=because("depends-on-query-positions", where=where))
     shuffled = keys[..., s, :] if isinstance(keys, torch.Tensor) else tuple(t[..., s, :] for t in keys)
     got = run(queries, shuffled, None if mask is None else mask[..., :, s])
     assert_close(got, out, budget=allowed,
                  what=f"the output for keys and values permuted together by {s.tolist()} against the output",
                  call=f"{name}(Q, {kv_permuted}{with_mask(mask, 'mask[:, s]')})",
                  labels=("the output on permuted keys and values", "the target's own output on them as drawn"),
-                 cause="outputs depend on key positions (a built-in mask or positional term?)")
+                 cause=because("depends-on-key-positions"))
 
 
 def _shuffle(n: int, gen) -> torch.Tensor:

@@ -12,10 +12,10 @@ from attn_spec import reference
 from attn_spec.checking.assertions import assert_close, assert_within, with_mask
 from attn_spec.checking.cases import Case
 from attn_spec.checking.catalog import Lesson, prop
-from attn_spec.diagnosis.mismatch import explain
 from attn_spec.checking.rows import reference as row_reference
 from attn_spec.checking.tolerance import budget, max_error
-from attn_spec.properties.informative import ignored_inputs, require_responsive
+from attn_spec.failures import because
+from attn_spec.properties.informative import require_responsive
 
 F64 = torch.float64
 
@@ -50,7 +50,8 @@ def matches_reference(target, case):
     ref = row_reference(q, k, v, mask)  # the float64 reference (on chosen rows at long lengths: checking.rows)
     ref.check(got, what="the output against the float64 reference",
               call="attention(Q, K, V)" if mask is None else "attention(Q, K, V, mask)",
-              cause=lambda: explain(target, got, q, k, v, mask, ref.budget) or ignored_inputs(target, case))
+              cause=because("output-differs", target=target, got=got, q=q, k=k, v=v, mask=mask, budget=ref.budget,
+                            case=case))
 
 
 
@@ -98,16 +99,12 @@ def value_linearity(target, case):
     ref1 = ref[..., :case.d_v]  # [..., Tq, Dv]
     allowed = (abs(a) + abs(b) + 1) * one + max_error(v3, exact)
     combined = a * out1.double().cpu() + b * out2.double().cpu()
-
-    def cause():
-        doubled = target.attend(q, k, (2 * v1.double()).to(v1), mask)
-        return ("the output does not scale with V: V is normalised or divided by its max before the weighted sum"
-                if max_error(doubled, out1) <= allowed and max_error(doubled, 2 * ref1) > allowed
-                else "V passes through a nonlinearity (an activation or normalisation) before the weighted sum")
     assert_close(out3, combined, budget=allowed, call=f"attention(Q, K, {a:g} V1 {b:+g} V2{with_mask(mask)})",
                  labels=(f"the output on {a:g} V1 {b:+g} V2", f"{a:g} (the output on V1) {b:+g} (the output on V2), "
                                                              f"the target's own outputs combined"),
-                 what=f"attn(Q, K, {a:g} V1 {b:+g} V2) against {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2)", cause=cause)
+                 what=f"attn(Q, K, {a:g} V1 {b:+g} V2) against {a:g} attn(Q, K, V1) {b:+g} attn(Q, K, V2)",
+                 cause=because("values-nonlinear", target=target, q=q, k=k, v1=v1, mask=mask, out1=out1, ref1=ref1,
+                               allowed=allowed))
     vals = v1.double().cpu().unsqueeze(-3)  # [..., 1, Tk, Dv]
     keys = torch.tensor(True) if mask is None else mask.cpu().unsqueeze(-1)  # [..., Tq, Tk, 1] allowed keys
     lo = torch.where(keys, vals, math.inf).amin(dim=-2)  # [..., Tq, Dv]
@@ -116,5 +113,4 @@ def value_linearity(target, case):
     outside = torch.maximum(lo - got, got - hi).nan_to_num(math.inf).max().item()
     assert_within(outside, one, what="how far an output lies outside the range of the allowed values",
                   call=f"attention(Q, K, V1{with_mask(mask)})", got=got, expected_tensor=ref1,
-                  cause="the output is not a convex combination of the value rows (negative weights, or "
-                        "weights that do not sum to 1?)")
+                  cause=because("not-convex"))

@@ -95,7 +95,7 @@ def test_expected_failures_are_in_every_verdict(tmp_path, capsys, monkeypatch):
 def test_exitfirst_reports_what_it_did_not_run_in_one_line(tmp_path, capsys):
     assert main(["check", BUGGY, *QUICK, "-x"]) == 1
     out = capsys.readouterr().out
-    not_run = sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in attn_spec.properties.REGISTRY.values()) - 1
+    not_run = sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS)) for p in attn_spec.properties.catalog().values()) - 1
     assert "DOES NOT CONFORM (1 of 1 properties fail)" in out
     assert f"  {not_run} not run: stopped at the first failure\n" in out
     assert "skipped" not in out and "rows-sum-to-one" not in out  # no row, no note for what did not run
@@ -209,6 +209,6 @@ def test_the_sample_project_gates_under_pytest_from_pyproject_alone(sample):
     # each property an attention is checked on (the mods' and serving kernels' own are left out, as the CLI leaves
     # them out), and the two require items
     per_target = sum(bool(set(p.conventions) & set(ATTENTION_CONVENTIONS))
-                     for p in attn_spec.properties.REGISTRY.values()) + 2
+                     for p in attn_spec.properties.catalog().values()) + 2
     outcomes = re.search(r"(\d+) passed, (\d+) skipped", tests.stdout)
     assert outcomes and int(outcomes[1]) + int(outcomes[2]) == 2 * per_target, tests.stdout[-2000:]

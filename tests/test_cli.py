@@ -85,7 +85,7 @@ def test_exitfirst_stops_at_the_first_failure_and_keeps_catalog_order(capsys):
     code, out, _ = cli(capsys, f"{BUGGY}:attention", *QUICK, "-x", "--format", "json")
     assert code == 1
     props = json.loads(out)["targets"][0]["properties"]
-    attention = [i for i, p in attn_spec.properties.REGISTRY.items() if set(p.conventions) & set(ATTENTION_CONVENTIONS)]
+    attention = [i for i, p in attn_spec.properties.catalog().items() if set(p.conventions) & set(ATTENTION_CONVENTIONS)]
     assert [p["id"] for p in props] == attention  # catalog order (the mods' and serving kernels' properties left out)
     failed = [p for p in props if p["status"] == "fail"]
     not_run = [p for p in props if p["status"] == "not-run"]

@@ -11,14 +11,13 @@ import math
 
 import pytest
 import torch
-
-import attn_spec.properties  # noqa: F401 - registers the catalog
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.cli import main
 from attn_spec.diagnosis import MISTAKES
 from attn_spec.diagnosis.evidence import gather
-from attn_spec.diagnosis.numbers import masked_share, name_scale, weight_factor
+from attn_spec.checking.probes import name_scale
+from attn_spec.diagnosis.numbers import masked_share, weight_factor
 from attn_spec.diagnosis.replay import Evidence, fits
 from attn_spec.targets.record import Recorder
 from attn_spec.mistake_lessons import mistake_sections
@@ -33,7 +32,7 @@ def test_the_catalog_is_data_with_a_sentence_and_a_fix():
         assert m.id == m.id.lower() and " " not in m.id
         assert m.describe() and m.fix_for() and m.family and m.code.startswith("def ")
         assert "undefined" not in m.describe() and "no standard form" not in m.describe()
-        assert set(m.caught_by) <= set(REGISTRY), m.id
+        assert set(m.caught_by) <= set(catalog()), m.id
 
 
 def test_serving_kernels_models_are_entries_of_the_one_catalog():
@@ -138,7 +137,7 @@ def squared_weights(q, k, v, mask=None):  # no model of the catalog: weights = s
 
 def _evidence(fn, prop_id, case):
     target = make_target(fn, fn.__name__, "function")
-    return gather(prop_id, REGISTRY[prop_id].fn, target, case)
+    return gather(prop_id, catalog()[prop_id].fn, target, case)
 
 
 CASES = {"plain": Case(n_q=3, n_kv=4, d_k=4, d_v=2, values="normal", seed=3),
@@ -168,8 +167,8 @@ def test_correct_code_fits_no_model():
     target = make_target(correct_einsum, "correct_einsum", "function")
     for prop_id in ("matches-reference", "mask-semantics", "rows-sum-to-one"):
         target.recorder = Recorder()
-        case = REGISTRY[prop_id].examples[0]
-        REGISTRY[prop_id].fn(target, case)
+        case = catalog()[prop_id].examples[0]
+        catalog()[prop_id].fn(target, case)
         calls, target.recorder = target.recorder.calls, None
         assert calls and fits(Evidence(calls)) == []
 
@@ -188,7 +187,7 @@ def sqrt_of_scale(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 
 def test_a_crash_is_reproduced_by_the_model_that_raises_the_same_way():
     target = make_target(sqrt_of_scale, "sqrt_of_scale", "sdpa")
-    evidence = gather("scale-argument", REGISTRY["scale-argument"].fn, target, Case(n_q=2, n_kv=3, d_k=4, d_v=2,
+    evidence = gather("scale-argument", catalog()["scale-argument"].fn, target, Case(n_q=2, n_kv=3, d_k=4, d_v=2,
                                                                                      seed=1))
     assert evidence.crash and evidence.crash[0] == "ValueError" and "sqrt_of_scale" in evidence.traceback
     assert evidence.fits and evidence.fits[0].mistake.id == "scale-argument-sqrt-split"
@@ -238,7 +237,7 @@ def test_a_failure_that_does_not_come_back_is_not_called_randomness():
     target = make_target(wrong_on_the_sixth_call, "w", "function")
     supports(target, ["float64"], "cpu")  # the capabilities are probed first: count the property's own calls
     calls[0] = 0
-    result = run_property(REGISTRY["matches-reference"], target, profile="quick", seed=1, dtypes=["float64"],
+    result = run_property(catalog()["matches-reference"], target, profile="quick", seed=1, dtypes=["float64"],
                           devices=["cpu"])
     assert result.status == "fail"
     assert "nondeterministic" not in result.cause and "depends on what ran before it" in result.message

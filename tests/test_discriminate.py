@@ -3,9 +3,7 @@ import math
 
 import pytest
 import torch
-
-import attn_spec.properties  # noqa: F401 - registers the catalog
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.diagnosis.discriminate import separate, variants
 from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.model import MISTAKES
@@ -34,10 +32,10 @@ def _root(fn):
     """The one root of the scale probe's failure at d_v = 1 (the property's own example case)."""
     target = make_target(fn, fn.__name__, "function")
     supports(target, ["float64"], "cpu")
-    case = next(c for c in REGISTRY["scale-sqrt-dk"].examples if getattr(c, "d_v", None) == 1)
+    case = next(c for c in catalog()["scale-sqrt-dk"].examples if getattr(c, "d_v", None) == 1)
     with pytest.raises(Failure):  # run once, as the check did: what it probes once per target is not replayed
-        REGISTRY["scale-sqrt-dk"].fn(target, case)
-    evidences = {"scale-sqrt-dk": gather("scale-sqrt-dk", REGISTRY["scale-sqrt-dk"].fn, target, case)}
+        catalog()["scale-sqrt-dk"].fn(target, case)
+    evidences = {"scale-sqrt-dk": gather("scale-sqrt-dk", catalog()["scale-sqrt-dk"].fn, target, case)}
     roots = group(["scale-sqrt-dk"], evidences, order=["scale-sqrt-dk"], after={}, mistakes=list(MISTAKES.values()))
     assert len(roots) == 1
     return roots[0], evidences, target

@@ -1,8 +1,7 @@
 """Folding symptoms into their cause (``attn_spec.diagnosis.fold``): each root's model replayed on the other
 roots' failures at the target's own dtype and with the mask's emptied rows left NaN."""
-import attn_spec.properties  # noqa: F401 - registers the catalog
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.diagnosis.evidence import gather
 from attn_spec.diagnosis.fold import fold, reproduced
 from attn_spec.diagnosis.model import MISTAKES
@@ -23,7 +22,7 @@ def test_a_missing_scale_that_saturates_float16_is_one_root_not_a_mask_bug():
              "matches-reference": SATURATING}
     evidences, shortlist = {}, []
     for pid, case in cases.items():
-        evidences[pid] = gather(pid, REGISTRY[pid].fn, target, case, shortlist=shortlist)
+        evidences[pid] = gather(pid, catalog()[pid].fn, target, case, shortlist=shortlist)
         shortlist += [f.mistake.id for f in evidences[pid].fits]
     assert evidences["scale-sqrt-dk"].fits[0].mistake.id == "scale-missing"
     # as first replayed (float64 copies), the saturated cases are no missing scale: other stories, or none
@@ -51,10 +50,10 @@ def test_an_uncertain_fold_is_said_not_made():
     for t in (unscaled, inverted):
         supports(t, ["float64"], "cpu")
     small = Case(n_q=3, n_kv=3, d_k=4, d_v=2, values="normal", mask="causal", seed=1)
-    evidences = {"scale-sqrt-dk": gather("scale-sqrt-dk", REGISTRY["scale-sqrt-dk"].fn, unscaled,
+    evidences = {"scale-sqrt-dk": gather("scale-sqrt-dk", catalog()["scale-sqrt-dk"].fn, unscaled,
                                          Case(n_q=1, n_kv=2, d_k=16, d_v=2)),
-                 "matches-reference": gather("matches-reference", REGISTRY["matches-reference"].fn, unscaled, small),
-                 "causal-mask": gather("causal-mask", REGISTRY["causal-mask"].fn, inverted, small)}
+                 "matches-reference": gather("matches-reference", catalog()["matches-reference"].fn, unscaled, small),
+                 "causal-mask": gather("causal-mask", catalog()["causal-mask"].fn, inverted, small)}
     order = ["scale-sqrt-dk", "causal-mask", "matches-reference"]
     a = Diagnosis("scale-sqrt-dk", "scale-missing", "no scale", "", ["scale-sqrt-dk"], "")
     b = Diagnosis("causal-mask", "mask-inverted", "inverted", "", ["causal-mask", "matches-reference"], "")

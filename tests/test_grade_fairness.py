@@ -230,8 +230,7 @@ def test_a_claimed_root_needs_parameters_from_the_catalog():
 def test_a_claimed_root_is_kept_only_where_the_graders_replay_reproduces_it():
     """The grader's own replay decides: a true claim explains its failures, a false one (another mistake, or
     a failure the mistake does not reproduce) explains nothing."""
-    import attn_spec.properties  # noqa: F401 - fills the registry
-    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.properties import catalog
     from attn_spec.checking.runner import run_property
     from attn_spec.targets.conventions import FunctionTarget
 
@@ -240,7 +239,7 @@ def test_a_claimed_root_is_kept_only_where_the_graders_replay_reproduces_it():
         return torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1) @ V
 
     target = FunctionTarget(no_scale, "attention")
-    rows = {pid: run_property(REGISTRY[pid], target, profile="quick", seed=7, dtypes=["float64"], devices=["cpu"])
+    rows = {pid: run_property(catalog()[pid], target, profile="quick", seed=7, dtypes=["float64"], devices=["cpu"])
             for pid in ("scale-sqrt-dk", "matches-reference")}
     assert all(r.status == "fail" for r in rows.values())
     cases = {pid: roots.case_of(r) for pid, r in rows.items()}

@@ -13,6 +13,7 @@ from attn_spec import properties, reference
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.diagnosis.mismatch import diagnose_mismatch, explain
 from attn_spec.checking.runner import mark_blocked
+from attn_spec.properties import catalog
 from attn_spec.errors import Failure, Uninformative
 from attn_spec.properties.informative import ignored_inputs, require_responsive
 from attn_spec.report import PropertyResult
@@ -134,10 +135,10 @@ def test_vacuous_failures_are_blocked_by_the_root_and_block_nothing():
             PropertyResult("matches-reference", "fail"),
             PropertyResult("mask-semantics", "fail", vacuous=True),
             PropertyResult("value-linearity", "pass")]
-    mark_blocked(rows)
+    mark_blocked(rows, catalog())
     assert [r.blocked_by for r in rows] == ["matches-reference", None, "matches-reference", None]
     alone = [PropertyResult("permutation-equivariance", "fail", vacuous=True)]  # the root was not run
-    mark_blocked(alone)
+    mark_blocked(alone, catalog())
     assert alone[0].blocked_by is None
 
 

@@ -55,8 +55,8 @@ PATCHES_AT_IMPORT = {  # what a target replaces at import -> the name the report
     "import attn_spec.checking.tolerance as t\nt.budget = lambda *a, **k: float('inf')":
         "attn_spec.checking.tolerance.budget",
     "import attn_spec.reference as r\nr.attention = lambda q, k, v, *a, **kw: torch.zeros(1)": "attn_spec.reference.attention",
-    "import attn_spec.checking.catalog as c\nobject.__setattr__(c.REGISTRY['matches-reference'], 'fn', lambda t, c: None)":
-        "attn_spec.checking.catalog.REGISTRY['matches-reference'].fn",
+    "import attn_spec.properties as p\nobject.__setattr__(p.catalog()['matches-reference'], 'fn', lambda t, c: None)":
+        "attn_spec.properties.catalog()['matches-reference'].fn",
 }
 
 

@@ -1,4 +1,5 @@
-"""The package's shape: no import circle in attn_spec/ and properties/, and a catalog that imports cheaply."""
+"""The package's shape: no import circle in attn_spec/ and properties/, floors with no arrow back up (the catalog
+below the engine that words and runs it), and a catalog that imports cheaply."""
 from __future__ import annotations
 
 import ast
@@ -90,7 +91,7 @@ def test_the_cycle_finder_finds_a_circle():
 
 @pytest.mark.slow
 def test_importing_the_catalog_imports_neither_pytest_nor_sympy():
-    code = ("import sys, attn_spec.properties as p; assert len(p.REGISTRY) > 20; "
+    code = ("import sys, attn_spec.properties as p; assert len(p.catalog()) > 20; "
             "print(sorted(m for m in ('pytest', 'sympy', '_pytest') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -137,24 +138,44 @@ def test_the_matrix_check_catches_a_formatter_used_elsewhere():
     assert _formats_a_matrix("from attn_spec.report import render\nrender(result, 'text')") == []
 
 
-SERVING = ("decode", "merge", "varlen", "paged", "prefill", "splits", "lse")  # the serving family's modules, until they are grouped into one
+def _in_its_family(module: str, family: str) -> bool:
+    """``module`` is the family's module (properties/<family>.py) or one of its package (properties/<family>/)."""
+    place = f"attn_spec.properties.{family.replace('-', '_')}"
+    return module == place or module.startswith(place + ".")
 
 
 def test_each_property_lives_in_the_module_of_its_family():
     from attn_spec import properties
 
-    for p in properties.REGISTRY.values():
-        module = p.fn.__module__.rsplit(".", 1)[-1]
-        assert module in SERVING if p.family == "serving" else module == p.family.replace("-", "_"), p.id
+    assert {p.id: p.fn.__module__ for p in properties.catalog().values()
+            if not _in_its_family(p.fn.__module__, p.family)} == {}
 
 
-def test_the_catalog_is_in_its_explicit_order_and_each_check_is_exported():
+def test_the_family_check_tells_a_module_out_of_its_family():
+    assert _in_its_family("attn_spec.properties.serving.decode", "serving")
+    assert _in_its_family("attn_spec.properties.multi_head", "multi-head")
+    assert not _in_its_family("attn_spec.properties.decode", "serving")
+    assert not _in_its_family("attn_spec.properties.servingx", "serving")
+
+
+def test_the_catalog_is_in_its_explicit_order_loaded_once_and_each_check_is_exported():
     from attn_spec import properties
 
-    assert list(properties.REGISTRY) == list(properties.ORDER)
-    checks = [name for name in properties.__all__ if name not in ("REGISTRY", "Property", "ORDER", "select",
-                                                                   "check_property")]
-    assert [getattr(properties, name).property_id for name in checks] == list(properties.ORDER)
+    assert list(properties.catalog()) == list(properties.ORDER)
+    assert properties.catalog() is properties.catalog()
+    assert [getattr(properties, p.fn.__name__).property_id for p in properties.catalog().values()] == \
+        list(properties.ORDER)
+
+
+@pytest.mark.slow
+def test_importing_the_catalog_package_imports_no_family_until_asked():
+    """No side-effect import: ``import attn_spec.properties`` loads no family; catalog() loads them all, once."""
+    code = ("import sys, attn_spec.properties as p; print(sum(m.startswith('attn_spec.properties.') for m in "
+            "sys.modules)); p.catalog(); print(sum(m.startswith('attn_spec.properties.') for m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    before, after = map(int, done.stdout.split())
+    assert before == 0 and after > 20
 
 
 def _graph() -> dict[str, set[str]]:
@@ -203,8 +224,103 @@ def test_the_plugin_runs_through_the_run_object_and_imports_nothing_private():
     from_runner = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                    and n.module == "attn_spec.checking.runner" for a in n.names}
     assert from_runner <= {"applicable"}  # which properties a target gets; running them is Run's
-    users = [name for name in ("attn_spec.api", "attn_spec.properties") if "attn_spec.run" in _graph()[name]]
-    assert users == ["attn_spec.api", "attn_spec.properties"]
+    users = sorted(name for name, deps in _graph().items() if "attn_spec.run" in deps)
+    assert users == ["attn_spec.api"]
+
+
+# The floors, lowest first: a module imports (lazily too) only its own floor and those below. The catalog stands
+# below the engine that words its causes (diagnosis) and runs it (run, api, grading); report/ is the result model
+# and its writers, below the checking that fills it. A name is a module or a package (with everything in it).
+FLOORS = (
+    ("foundation", ("attn_spec.errors", "attn_spec.exit_codes", "attn_spec.failures", "attn_spec.version",
+                    "attn_spec.vocabulary", "attn_spec.dtypes", "attn_spec.settings")),
+    ("reference", ("attn_spec.reference", "attn_spec.serving_reference", "attn_spec.symbolic", "attn_spec.exact")),
+    ("report", ("attn_spec.report",)),
+    ("targets", ("attn_spec.targets", "attn_spec.module_adapters")),
+    ("checking", ("attn_spec.checking", "attn_spec.cases")),
+    ("properties", ("attn_spec.properties",)),
+    ("diagnosis", ("attn_spec.diagnosis",)),
+    ("run", ("attn_spec.run", "attn_spec.api", "attn_spec.grading", "attn_spec.lessons", "attn_spec.mistake_lessons")),
+    ("commands", ("attn_spec.commands", "attn_spec.cli", "attn_spec.__main__", "attn_spec.pytest_plugin",
+                  "attn_spec")),  # the package's root: its lazy attributes (check, check_property) are the API's
+)
+
+
+def _floor(module: str, floors=FLOORS) -> int | None:
+    """The index of ``module``'s floor (the longest name that holds it), or None when no floor names it."""
+    best = None
+    for i, (_, names) in enumerate(floors):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    return best[0] if best else None
+
+
+def _arrows_up(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """Each import (lazy ones too) from a module to one on a higher floor, and each module no floor names."""
+    unplaced = sorted(f"{name}: on no floor" for name in graph if _floor(name, floors) is None)
+    return unplaced + sorted(f"{name} -> {dep}" for name, deps in graph.items() for dep in deps
+                             if _floor(name, floors) is not None and (_floor(dep, floors) or 0) > _floor(name, floors))
+
+
+def test_no_arrow_back_up_anywhere():
+    assert _arrows_up(_graph()) == []
+
+
+def test_the_floor_check_catches_an_arrow_up_and_a_module_on_no_floor():
+    floors = (("low", ("pkg.low",)), ("high", ("pkg.high", "pkg")))
+    assert _arrows_up({"pkg.high.a": {"pkg.low.b"}, "pkg.low.b": set()}, floors) == []
+    assert _arrows_up({"pkg.low.b": {"pkg.high.a"}, "pkg.high.a": set()}, floors) == ["pkg.low.b -> pkg.high.a"]
+    assert _arrows_up({"pkg.low.b": {"pkg"}, "pkg": set()}, floors) == ["pkg.low.b -> pkg"]
+    assert _arrows_up({"other.c": set()}, floors) == ["other.c: on no floor"]
+
+
+ABOVE_CHECKING = ("attn_spec.properties", "attn_spec.diagnosis", "attn_spec.run", "attn_spec.api", "attn_spec.report",
+                  "attn_spec.grading", "attn_spec.commands", "attn_spec.cli", "attn_spec.lessons",
+                  "attn_spec.mistake_lessons", "attn_spec.pytest_plugin")
+
+
+def _above_checking(module: str, deps) -> list[str]:
+    """The imports of a module of the catalog that reach above checking/ (its own package is the catalog)."""
+    return sorted(f"{module} -> {dep}" for dep in deps if not dep.startswith("attn_spec.properties")
+                  and (dep == "attn_spec" or any(dep == a or dep.startswith(a + ".") for a in ABOVE_CHECKING)))
+
+
+def test_the_catalog_imports_nothing_above_checking():
+    """properties/ states behaviours with checking/'s tools; it neither runs (run, api), renders (report) nor
+    words causes (diagnosis)."""
+    assert [edge for name, deps in _graph().items() if name.startswith("attn_spec.properties")
+            for edge in _above_checking(name, deps)] == []
+
+
+def test_the_catalog_check_catches_a_property_that_imports_the_diagnosis(tmp_path):
+    snippet = tmp_path / "prop.py"
+    snippet.write_text("from attn_spec.checking.catalog import prop\nfrom attn_spec.properties.inputs import near\n"
+                       "def f():\n    from attn_spec.diagnosis import MISTAKES\n", encoding="utf-8")
+    deps = _imports("attn_spec.properties.prop", snippet, _modules())
+    assert _above_checking("attn_spec.properties.prop", deps) == [
+        "attn_spec.properties.prop -> attn_spec.diagnosis"]
+
+
+def _causes_named(source: str) -> set[str]:
+    """The cause keys ``source`` names: the first argument of each ``because("key", ...)``."""
+    return {node.args[0].value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "because" and node.args and isinstance(node.args[0], ast.Constant)}
+
+
+def test_every_cause_the_catalog_names_is_worded_by_the_diagnosis_and_no_wording_is_dead():
+    """A property names a cause by key (attn_spec.failures.because); attn_spec.diagnosis.causes words each one."""
+    from attn_spec.diagnosis.causes import WORDS
+
+    named = set()
+    for path in (ROOT / "properties").rglob("*.py"):
+        named |= _causes_named(path.read_text(encoding="utf-8"))
+    assert len(named) > 30, "no cause keys found: the scan is broken"
+    assert sorted(named - set(WORDS)) == [] and sorted(set(WORDS) - named) == []
+
+
+def test_the_cause_scan_reads_a_key():
+    assert _causes_named('fail("x", cause=because("causal-off-by-one"))\nbecause(name)') == {"causal-off-by-one"}
 
 
 # Each rule of attention is written once (attn_spec/reference.py, the budget in checking/tolerance.py) and called

@@ -19,7 +19,7 @@ import torch
 
 import attn_spec
 from attn_spec.checking import runner
-from attn_spec.properties import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.cli import main
 from gallery import misbehaving as mb
 from gallery.core import seed_function
@@ -133,7 +133,7 @@ def test_a_bug_of_the_kits_own_is_an_error_row_and_the_rest_still_run(monkeypatc
     def broken(target, case):
         return {}["kit bug"]
 
-    monkeypatch.setitem(REGISTRY, "rows-sum-to-one", dataclasses.replace(REGISTRY["rows-sum-to-one"], fn=broken))
+    monkeypatch.setitem(catalog(), "rows-sum-to-one", dataclasses.replace(catalog()["rows-sum-to-one"], fn=broken))
     monkeypatch.setattr(runner, "probe_behaviours", lambda *a: 1 / 0)
     report = attn_spec.check(seed_function, only=["rows-sum-to-one", "scale-sqrt-dk"], **RUN).targets[0]
     rows = {p.id: p for p in report.properties}

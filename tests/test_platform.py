@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import attn_spec
 from attn_spec.checking import platform
 from attn_spec.checking.cases import Case
-from attn_spec.properties import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.cli import main
 from attn_spec.errors import Failure
 from attn_spec.targets.conventions import make_target
@@ -68,7 +68,7 @@ def test_the_injected_defect_fails_the_target_itself(broken_bf16):
     """Without the control, the correct seed attention fails non-contiguous: the injection bites."""
     target = make_target(load_target(SEED), "seed", "function")
     with pytest.raises(Failure, match="NaN"):
-        REGISTRY["non-contiguous"].fn(target, Case(n_q=3, n_kv=4, d_k=3, d_v=2, dtype="bfloat16", seed=1))
+        catalog()["non-contiguous"].fn(target, Case(n_q=3, n_kv=4, d_k=3, d_v=2, dtype="bfloat16", seed=1))
 
 
 def test_a_correct_function_conforms_with_one_platform_note(broken_bf16, capsys):

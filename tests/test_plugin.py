@@ -38,8 +38,8 @@ def test_correct_target_passes_with_one_item_per_property(attn_files):
     outcomes = result.parseoutcomes()
     assert result.ret == 0
     # the properties `attn-spec check` reports on an attention: the mods' and serving kernels' own are left out, not skipped
-    attention = [pid for pid, p in properties.REGISTRY.items() if set(p.conventions) & set(ATTENTION_CONVENTIONS)]
-    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(attention) < len(properties.REGISTRY)
+    attention = [pid for pid, p in properties.catalog().items() if set(p.conventions) & set(ATTENTION_CONVENTIONS)]
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == len(attention) < len(properties.catalog())
     result.stdout.fnmatch_lines([
         "attn-spec *: profile quick, --attn-seed=7, torch *, devices cpu*",
         "attn-spec target: attn_ok.py:attention (function convention)",
@@ -58,7 +58,7 @@ def test_buggy_target_fails_with_the_property_id_and_the_lesson(attn_files):
                                              "--attn-profile", "quick", "--attn-seed", "3")
     result.assert_outcomes(passed=4, failed=2)
     assert result.ret == 1
-    statement = properties.REGISTRY["scale-sqrt-dk"].statement
+    statement = properties.catalog()["scale-sqrt-dk"].statement
     result.stdout.fnmatch_lines([
         "*attn-spec[[]attn_bad.py:attention[]]::scale-sqrt-dk*",
         f"✗ scale-sqrt-dk: {statement}",
@@ -152,6 +152,7 @@ def test_under_xdist_every_worker_runs_the_cases_the_controller_prints(attn_file
 USER_TESTS = """
 import pytest
 
+import attn_spec
 from attn_spec import properties
 from attn_spec.checking.cases import Case
 from attn_bad import attention as buggy
@@ -166,13 +167,13 @@ def test_one_case_on_a_plain_function_and_class():
 
 
 def test_check_property_passes_and_skips():
-    assert properties.check_property("matches-reference", attention, profile="quick", seed=0).status == "pass"
-    skipped = properties.check_property("head-concat-equivalence", attention, profile="quick", seed=0)
+    assert attn_spec.check_property("matches-reference", attention, profile="quick", seed=0).status == "pass"
+    skipped = attn_spec.check_property("head-concat-equivalence", attention, profile="quick", seed=0)
     assert skipped.status == "skip"
 
 
 def test_check_property_catches_the_bug():
-    properties.check_property("scale-sqrt-dk", buggy, profile="quick", seed=0)
+    attn_spec.check_property("scale-sqrt-dk", buggy, profile="quick", seed=0)
 """
 
 

@@ -115,7 +115,7 @@ def test_the_merge_base_is_read_within_float32_rounding():
 
 def test_merge_reference_equals_attention_over_the_union():
     from attn_spec.checking.cases import Case
-    from attn_spec.properties.merge import partial_states
+    from attn_spec.properties.serving.merge import partial_states
     from attn_spec.serving_reference import merge_reference
 
     parts, (out, lse) = partial_states(Case(batch=(2,), n_q=3, n_kv=7, d_k=4, d_v=4, values="normal", seed=5))

@@ -220,7 +220,7 @@ def test_the_varlen_reference_softcaps_and_groups():
 
 
 def test_a_decode_case_with_grouped_heads_reads_them_grouped():
-    from attn_spec.properties.decode import decode_inputs
+    from attn_spec.properties.serving.decode import decode_inputs
 
     q, k_full, _, lengths, _ = decode_inputs(Case(batch=(2, 2, 3), kv_heads=1, n_q=1, n_kv=4, cache_lengths=(4, 2)))
     assert q.shape == (2, 1, 6, 2) and k_full.shape == (2, 6, 2, 2) and lengths.tolist() == [4, 2]
@@ -233,7 +233,7 @@ def test_the_scale_ladder_decodes_one_token_over_each_length(monkeypatch):
     monkeypatch.setitem(shapes.SCALE_LENGTHS, "cpu", (40,))
     monkeypatch.setattr(shapes, "SCALE_HEAD_DIMS", (8,))
     (rung,) = shapes.rungs(None, devices=["cpu"])
-    (case,) = shapes.fixed_cases(properties.REGISTRY["decode-equals-full-causal"], "decode", rung, seed=0)
+    (case,) = shapes.fixed_cases(properties.catalog()["decode-equals-full-causal"], "decode", rung, seed=0)
     assert rung.ladder and (case.n_q, case.n_kv, case.cache_lengths) == (1, 40, (40,))
     report = attn_spec.check(decode_kernel, profile="scale", seed=0, devices=["cpu"], only=["decode-equals-full-causal"])
     assert report.conforms, str(report)

@@ -64,7 +64,7 @@ def test_the_scale_ladder_on_the_cpu():
 
 def test_each_property_either_has_cases_at_fixed_shapes_or_says_why_not():
     rung = Rung(Shape.parse("1,4,2,8,16,4"), "float32", "cpu")
-    for prop in properties.REGISTRY.values():
+    for prop in properties.catalog().values():
         made = shapes.fixed_cases(prop, "function", rung, seed=1)
         if isinstance(made, str):
             assert len(made) > 20, prop.id
@@ -78,16 +78,16 @@ def test_each_property_either_has_cases_at_fixed_shapes_or_says_why_not():
                 assert (case.cache_lengths, case.kv_heads) == ((16,), 2), prop.id
                 continue
             assert case.kv_heads == (2 if prop.id == "gqa-equivalence" else 0)
-    grouped = properties.REGISTRY["gqa-equivalence"]
+    grouped = properties.catalog()["gqa-equivalence"]
     assert "HKV < H" in shapes.fixed_cases(grouped, "sdpa", Rung(Shape.parse("1,4,8,4"), "float32", "cpu"), 1)
-    module = shapes.fixed_cases(properties.REGISTRY["determinism"], "module", rung, 1)
+    module = shapes.fixed_cases(properties.catalog()["determinism"], "module", rung, 1)
     assert module == [MhaCase(n_q=8, n_kv=16, d_model=16, n_heads=4, dtype="float32", seed=1)]
 
 
 def test_past_a_gibibyte_per_mask_no_square_mask_is_built_at_a_fixed_shape():
     """At 64k keys a causal [n, n] bool mask is 4 GiB (16 GiB as a target's float bias): the kit keeps O(n d) memory,
     so causal-mask says why it is not checked there and gradients keeps its unmasked case; at 16k both are built."""
-    causal, grads = properties.REGISTRY["causal-mask"], properties.REGISTRY["gradients"]
+    causal, grads = properties.catalog()["causal-mask"], properties.catalog()["gradients"]
     long = Rung(Shape.parse("1,1,65536,64"), "float32", "cpu")
     reason = shapes.fixed_cases(causal, "sdpa", long, 1)
     assert isinstance(reason, str) and "[65536, 65536], 4 GiB of bool" in reason and "is-causal" in reason
@@ -115,7 +115,7 @@ def test_a_check_at_fixed_shapes_runs_the_properties_that_apply_and_skips_the_re
         assert status[pid].status == "pass" and status[pid].examples >= 1, pid
     assert status["matches-reference"].examples == 2  # no mask and a padding mask
     for pid in ("mask-semantics", "long-sequences", "value-linearity"):
-        assert (status[pid].status, status[pid].message) == ("skip", properties.REGISTRY[pid].at_scale)
+        assert (status[pid].status, status[pid].message) == ("skip", properties.catalog()[pid].at_scale)
     assert "shapes 1,4,2,48,300,16" in str(report)
 
 
@@ -183,7 +183,7 @@ import json, resource, sys
 import torch
 from attn_spec.checking import chunked, shapes
 from attn_spec.cli import main
-from attn_spec.properties import REGISTRY
+from attn_spec.properties import catalog
 
 def peak():  # bytes: the process's high-water mark of resident memory (every allocator: torch, Python, glibc)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -193,7 +193,7 @@ target = torch.nn.functional.scaled_dot_product_attention
 args = ["check", "torch.nn.functional:scaled_dot_product_attention", "--only", *only, "--seed", "0", "--device", "cpu"]
 main(args + ["--shapes", "1,2,1,8,64,16"])  # warm: every import, every kernel's first call
 for pid in only:  # the target's own work on every case it gets: inputs, output, workspace, gradients
-    for case in shapes.fixed_cases(REGISTRY[pid], "sdpa", shapes.Rung(shapes.Shape.parse(shape), "float32", "cpu"), 0):
+    for case in shapes.fixed_cases(catalog()[pid], "sdpa", shapes.Rung(shapes.Shape.parse(shape), "float32", "cpu"), 0):
         q, k, v, mask = (t if t is None else t.requires_grad_(t.is_floating_point()) for t in case.tensors())
         out = target(q, k, v, attn_mask=mask)
         out.sum().backward()

@@ -7,9 +7,8 @@ import math
 import torch
 
 import attn_spec
-from attn_spec import properties  # noqa: F401 - registers the catalog
 from attn_spec.checking.cases import Case
-from attn_spec.checking.catalog import REGISTRY
+from attn_spec.properties import catalog
 from attn_spec.checking.shrink import _drawable, _smaller, _words
 from attn_spec.reference import MultiHeadAttention, reference_attention
 from attn_spec.targets.conventions import make_target
@@ -22,7 +21,7 @@ def no_scale(Q, K, V, mask=None):
 
 def fails_on_the_first_example(Q, K, V, mask=None):  # right, except on that example's own tensors
     out = reference_attention(Q, K, V, mask)
-    own = REGISTRY["matches-reference"].examples[0].tensors()  # Q, K, V, mask
+    own = catalog()["matches-reference"].examples[0].tensors()  # Q, K, V, mask
     same = all(a is not None and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
                for a, b in zip((Q, K, V, mask), own))
     return out + 1 if same else out
@@ -34,7 +33,7 @@ def _matches_reference(target):
 
 
 def test_the_richest_example_runs_first_and_its_failure_is_shrunk():
-    first = REGISTRY["matches-reference"].examples[0]
+    first = catalog()["matches-reference"].examples[0]
     assert first.batch == (2, 3) and first.layout == "heads" and first.mask == "random"
     result = _matches_reference(no_scale)
     assert result.status == "fail" and result.found_after_calls == 1  # found on the first call, the richest case
@@ -46,7 +45,7 @@ def test_the_richest_example_runs_first_and_its_failure_is_shrunk():
 
 def test_an_example_nothing_smaller_fails_stays_as_it_was():
     result = _matches_reference(fails_on_the_first_example)
-    assert result.status == "fail" and result.case == REGISTRY["matches-reference"].examples[0]
+    assert result.status == "fail" and result.case == catalog()["matches-reference"].examples[0]
 
 
 def test_candidates_stay_what_the_property_draws():
@@ -70,7 +69,7 @@ def test_a_cause_is_the_same_whatever_it_measured():
 def test_a_module_gets_its_unbatched_examples_first():
     """A module is called once per batch element: the [2, 3]-batch example would cost it 6 calls."""
     module, function = make_target(MultiHeadAttention), make_target(no_scale)
-    examples = REGISTRY["matches-reference"].examples
+    examples = catalog()["matches-reference"].examples
     assert [module.calls_per_attend(c) for c in examples] == [6, 1, 1, 2]
     assert {function.calls_per_attend(c) for c in examples} == {1}
     assert sorted(examples, key=module.calls_per_attend)[0].batch == ()

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 import attn_spec
-import attn_spec.properties  # noqa: F401 - registers the catalog
 from attn_spec import lessons, reference, symbolic
-from attn_spec.checking.catalog import DERIVATIONS, REGISTRY
+from attn_spec.properties import catalog
+
+REGISTRY = catalog()
+DERIVATIONS = {pid: p.derivation for pid, p in REGISTRY.items() if p.derivation}
 from attn_spec.cli import main
 from attn_spec.report.html import heatmaps, to_html
 

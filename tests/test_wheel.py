@@ -130,3 +130,39 @@ def test_a_wheel_built_from_a_clean_tree_installs_and_checks_readmes_first_targe
                              capture_output=True, text=True, timeout=600)
     for stderr in (run.stderr, snippet.stderr):
         assert "NumPy" not in stderr, stderr
+
+
+def _on_disk() -> set[str]:
+    """The packages of the source tree: every folder with an ``__init__.py`` under attn_spec/, and properties/'s
+    as attn_spec.properties."""
+    found = set()
+    for init in [*(ROOT / "attn_spec").rglob("__init__.py"), *(ROOT / "properties").rglob("__init__.py")]:
+        parts = init.parent.relative_to(ROOT).parts
+        found.add(".".join(("attn_spec", "properties", *parts[1:]) if parts[0] == "properties" else parts))
+    return found
+
+
+def _listed() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+
+
+def test_pyproject_lists_every_package_on_disk():
+    """pyproject.toml lists the wheel's packages (there is no setup.py): a subpackage added on disk but not to the
+    list would be left out of the wheel and work only in an editable install."""
+    table = _listed()
+    assert sorted(table["packages"]) == sorted(_on_disk())
+    assert table["package-dir"] == {"attn_spec.properties": "properties"}
+    assert not (ROOT / "setup.py").exists()
+
+
+def test_the_package_check_sees_a_package_left_out(tmp_path, monkeypatch):
+    """The check above can fail: a new subpackage on disk is one the list does not name."""
+    listed = _listed()["packages"]
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    for folder in ("attn_spec", "attn_spec/new", "properties", "properties/serving"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("", encoding="utf-8")
+    assert _on_disk() == {"attn_spec", "attn_spec.new", "attn_spec.properties", "attn_spec.properties.serving"}
+    assert _on_disk() - set(listed) == {"attn_spec.new"}

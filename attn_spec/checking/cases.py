@@ -77,9 +77,9 @@ class Case:
     kv_heads: int = 0  # grouped-query attention: K and V have this many heads on the last batch dim (0: as Q)
     segments: tuple = ()  # a packed batch (the varlen convention): ((n_q, n_kv) of each sequence, ...), whose
     #                       sums are n_q and n_kv; lengths may be 0. Empty: one dense batch
-    # A batch of decode calls (the decode convention, properties/decode.py), B = batch[0]:
+    # A batch of decode calls (the decode convention, properties/serving/decode.py), B = batch[0]:
     cache_lengths: tuple = ()  # each element's sequence length L_b in [min(n_q, n_kv), n_kv]; empty: every one n_kv
-    page_size: int = 0  # a paged cache's page size (properties/paged.py); 0: pages of 16 (vLLM's default block)
+    page_size: int = 0  # a paged cache's page size (properties/serving/paged.py); 0: pages of 16 (vLLM's default block)
     spare_pages: int = 0  # pages of the pool that no block table lists
     num_splits: int | None = None  # the split-KV setting decoded with (0: the kernel's own); None: 1, 2, 3 and 0
 

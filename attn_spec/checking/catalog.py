@@ -1,12 +1,17 @@
-"""The property registry: ``@prop`` turns one small function into a catalog entry.
+"""What a catalog entry is: ``@prop`` turns one small function into a :class:`Property`.
 
 A property is one place: its check (the function), its docstring (the math, "Why:" and
 "Catches:"), its :class:`Lesson` (the rest of what ``attn-spec explain`` teaches) and, for some,
-a sympy derivation registered with ``@derivation``. Derivations import sympy inside the function:
+a sympy derivation marked with ``@derivation``. Derivations import sympy inside the function:
 importing the catalog must stay cheap.
+
+No registry here: ``@prop`` and ``@derivation`` mark the functions, and the catalog
+(:func:`attn_spec.properties.catalog`, above this package) gathers them; the engine is handed the
+properties it runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -15,9 +20,6 @@ from typing import Callable
 from attn_spec.checking import strategies
 from attn_spec.targets.conventions import Target, conventions, make_target
 from attn_spec.checking.cases import Case, MhaCase
-
-REGISTRY: dict[str, "Property"] = {}
-DERIVATIONS: dict[str, Callable[[], list]] = {}  # property id -> its sympy derivation (returns the steps)
 
 
 @dataclass(frozen=True)
@@ -57,16 +59,16 @@ class Property:
     # (a probe reading one head through projections that select Q, K and V; the module header says which).
     projections: str = "drawn"
     long_examples: tuple = ()  # explicit cases tried last, in the profiles that check long cases (Profile.long)
+    derivation: Callable[[], list] | None = None  # the sympy derivation of the fact behind it (returns the steps)
 
     @property
     def conventions(self) -> tuple[str, ...]:
         """The conventions it applies to, now: ``only_for``, or every registered attention convention."""
         return self.only_for or conventions(kind="attention")
 
-    @property
-    def derivation(self) -> Callable[[], list] | None:
-        """The sympy derivation of the fact behind this property, if it has one."""
-        return DERIVATIONS.get(self.id)
+    def with_derivation(self, derive: Callable[[], list] | None) -> "Property":
+        """This property with its derivation (the catalog pairs them when it loads)."""
+        return dataclasses.replace(self, derivation=derive) if derive is not None else self
 
     @property
     def doc(self) -> str:
@@ -102,13 +104,12 @@ class Property:
 def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
          multihead=False, examples=(), after=(), lesson: Lesson | None = None, at_scale=None,
          projections="drawn", long_examples=()):
-    """Register ``fn`` under ``id`` (stable, kebab-case: a public contract). ``conventions``: those it applies to
-    (default: every attention convention, attn_spec.vocabulary)."""
+    """Make ``fn`` the property ``id`` (stable, kebab-case: a public contract); the returned check carries it as
+    ``.property`` for the catalog to gather. ``conventions``: those it applies to (default: every attention
+    convention, attn_spec.vocabulary)."""
 
     def register(fn):
-        if id in REGISTRY:
-            raise ValueError(f"property id {id!r} is registered twice")  # sanity check
-        entry = REGISTRY[id] = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
+        entry = Property(id, fn, family, statement, tuple(conventions), dict(cases or {}),
                                         multihead, tuple(examples), tuple(after), lesson, at_scale, projections,
                                         tuple(long_examples))
 
@@ -116,20 +117,18 @@ def prop(id: str, *, family: str, statement: str, conventions=(), cases=None,
         def check_case(target, case):  # properties.rows_sum_to_one(my_attention, case) works too
             return entry(target, case)
 
-        check_case.property_id = id
+        check_case.property_id, check_case.property = id, entry
         return check_case
 
     return register
 
 
 def derivation(id: str):
-    """Register ``fn`` as the sympy derivation of property ``id``: it returns its steps, a list of
-    ``(text, sympy expression)``, and raises ``attn_spec.symbolic.DerivationError`` if a step fails."""
+    """Mark ``fn`` as the sympy derivation of property ``id`` (the catalog pairs them): it returns its steps, a
+    list of ``(text, sympy expression)``, and raises ``attn_spec.symbolic.DerivationError`` if a step fails."""
 
     def register(fn):
-        if id in DERIVATIONS:
-            raise ValueError(f"property id {id!r} has two derivations")  # sanity check
-        DERIVATIONS[id] = fn
+        fn.derives = id
         return fn
 
     return register

@@ -5,7 +5,8 @@ Most targets return only ``softmax(scale * Q K^T) V``. Choosing V cleverly reads
 - V = I (one-hot values, Dv = Tk): the output row i *is* weight row i;
 - V = ones [Tk, 1]: the output is each row's total weight;
 - two keys whose dot products with the query differ by a known gap g: the weight on the
-  larger one is sigmoid(s * g), so s = logit(w) / g is the scale actually applied.
+  larger one is sigmoid(s * g), so s = logit(w) / g is the scale actually applied; read at two key widths, the
+  scale's law c * d_k^p is named (:func:`name_scale`).
 
 The scale probes read the *last* of two queries over two keys: under a causal mask it sees both
 keys, so they work on causal-only modules too (given the causal mask) and on self-attention ones.
@@ -108,3 +109,46 @@ def _logit(w: float) -> float:
     if not 0.0 < w < 1.0:
         return math.inf if w >= 1.0 else -math.inf if w <= 0.0 else math.nan
     return math.log(w / (1.0 - w))
+
+
+def scale_law(found: dict[int, float]) -> tuple[float, float] | None:
+    """(c, p) with scale = c * d_k^p, from the scale recovered at two key widths; None if unreadable."""
+    (d1, s1), (d2, s2) = sorted(found.items())[:2]
+    if not all(math.isfinite(s) and s > 0 for s in (s1, s2)) or d1 == d2:
+        return None
+    p = math.log(s1 / s2) / math.log(d1 / d2)
+    return s1 / d1**p, p
+
+
+def _close(x: float, y: float, tol: float = 1e-3) -> bool:
+    return math.isclose(x, y, rel_tol=tol, abs_tol=tol)
+
+
+def name_scale(found: dict[int, float], n_heads: int = 1) -> str:
+    """What the recovered scales say, e.g. '1/d_k', '1/(2 d_k)', '1/sqrt(d_model)', '1.11/sqrt(d_k)'."""
+    values = list(found.values())
+    if any(not math.isfinite(s) for s in values):
+        return ("unreadable: the probe's weight on the larger key was 0 or 1 (a saturated or inverted softmax, "
+                "or weights that are not a softmax of the scores)")
+    if any(s <= 0 for s in values):
+        return "negative: the larger score gets the smaller weight (the scores are negated, or not a softmax over keys)"
+    law = scale_law(found) if len(found) > 1 else None
+    if law is None:
+        (d, s), = found.items()
+        return f"{s:.4g} at d_k={d}"
+    c, p = law
+    named = [(1.0, -0.5, "1/sqrt(d_k)"), (1.0, -1.0, "1/d_k"), (0.5, -1.0, "1/(2 d_k)"), (1.0, 0.0, "1 (no scaling)"),
+             (1.0, 0.5, "sqrt(d_k) (multiplied instead of divided)"), (1.0, -1.5, "1/d_k^1.5 (scaled twice)")]
+    if n_heads > 1:
+        named.append((1 / math.sqrt(n_heads), -0.5, f"1/sqrt(d_model) = 1/sqrt({n_heads} d_k): the whole width, not one head's"))
+    for cc, pp, label in named:
+        if _close(c, cc) and _close(p, pp, 2e-3):
+            return label
+    if _close(p, 0.0, 2e-3):
+        width = 1 / c**2
+        if _close(width, round(width), 1e-3) and round(width) > 1:
+            return f"1/sqrt({round(width)}) at every width: a hard-coded d_k of {round(width)}"
+        return f"{c:.4g} at every width: a constant, not computed from d_k"
+    if _close(p, -0.5, 2e-3):
+        return f"{c:.4g}/sqrt(d_k): an extra factor {c:.4g} (a temperature of {1 / c:.4g} left in?)"
+    return f"{c:.4g} · d_k^{p:.3g}"

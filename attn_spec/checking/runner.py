@@ -19,7 +19,7 @@ from hypothesis.errors import Flaky, Unsatisfiable
 
 from attn_spec.targets.conventions import Target, conventions
 from attn_spec.checking.cases import available_devices
-from attn_spec.checking.catalog import REGISTRY, Property
+from attn_spec.checking.catalog import Property
 from attn_spec.checking.counterexamples import counterexample
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
 from attn_spec.targets.capabilities import (Supports, envelope, parse_capabilities, parse_length, probe_capabilities,
@@ -344,21 +344,23 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
-def mark_blocked(results) -> None:
+def mark_blocked(results, catalog: dict[str, Property]) -> None:
     """A failure explained by an earlier property's failure is reported as blocked by it.
 
     A vacuous failure (the property would have held only because the output ignores its inputs) is
     blocked by the root, ``matches-reference``, or else by its own blockers; it never blocks another.
-    ``results``: anything with ``id``, ``status``, ``vacuous`` and ``blocked_by`` (also the grader's rows)."""
+    ``results``: anything with ``id``, ``status``, ``vacuous`` and ``blocked_by`` (also the grader's rows);
+    ``catalog``: the properties by id (each names those that explain its failure)."""
     failed = {r.id for r in results if r.status == "fail" and not r.vacuous}
     for r in results:
         if r.status == "fail":
-            r.blocked_by = blocker(r, failed)
+            r.blocked_by = blocker(r, failed, catalog)
 
 
-def blocker(result, failed) -> str | None:
+def blocker(result, failed, catalog: dict[str, Property]) -> str | None:
     """The failed property (of the ids ``failed``) whose failure explains ``result``'s, or None."""
-    blockers = [b for b in ((ROOT,) if result.vacuous else ()) + REGISTRY[result.id].after
+    after = catalog[result.id].after if result.id in catalog else ()
+    blockers = [b for b in ((ROOT,) if result.vacuous else ()) + after
                 if b in failed and b != result.id]
     return blockers[0] if blockers else None
 
@@ -507,14 +509,16 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
     for result in report.properties:  # counted from the first property's first call, not the probes'
         if result.found_after_calls is not None:
             result.found_after_calls -= probe_calls
-    mark_blocked(report.properties)
+    ran = {p.id: p for p in props}
+    mark_blocked(report.properties, ran)
     report.properties.extend(probe_errors + requirements(report, require))
-    return finish(report, target)
+    return finish(report, target, ran)
 
 
-def finish(report: TargetReport, target: Target) -> TargetReport:
-    """What the target's calls left, in its report (again after a diagnosis has replayed some)."""
-    props = [REGISTRY[r.id] for r in report.properties if r.id in REGISTRY]
+def finish(report: TargetReport, target: Target, catalog: dict[str, Property]) -> TargetReport:
+    """What the target's calls left, in its report (again after a diagnosis has replayed some); ``catalog``: the
+    properties by id."""
+    props = [catalog[r.id] for r in report.properties if r.id in catalog]
     report.notes = _notes(target) + _heads_note(target, props, report.properties)  # with what the calls taught
     report.calls = target.calls
     report.inference_only = target.inference_only

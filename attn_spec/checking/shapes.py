@@ -181,7 +181,7 @@ def packed_case(shape: Shape, rung: Rung, seed: int) -> Case:
 def decode_case(shape: Shape, rung: Rung, seed: int) -> Case:
     """A shape read as a batch of decode calls: B sequences of H query heads (HKV key/value heads) of up to S_CACHE =
     NKV tokens, the last S_NEW = NQ of each decoded; the first sequence S_CACHE long, the others' lengths drawn from
-    the seed in [S_NEW, S_CACHE]; pages of ``page`` rows where the kernel is paged (properties/paged.py; 0: its
+    the seed in [S_NEW, S_CACHE]; pages of ``page`` rows where the kernel is paged (properties/serving/paged.py; 0: its
     default)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [shape.n_kv] + torch.randint(shape.n_q, shape.n_kv + 1, (shape.batch - 1,), generator=gen).tolist()

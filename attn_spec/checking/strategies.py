@@ -19,7 +19,7 @@ thorough  120       1..12, or up to 512             1..12, or up to 256     up t
                                                                                         16, 64, 256
 ========  ========  ==============================  ======================  ==========  ===========  ==========
 
-Serving cases draw more (properties/decode.py, paged.py, splits.py, varlen.py): a decode case each element's
+Serving cases draw more (properties/serving/decode.py, paged.py, splits.py, varlen.py): a decode case each element's
 cache length in [S_new, n_kv]; a paged one its page size (from the table; multiples of the kernel's smallest page
 where it takes no other) and 0..3 spare pages in the pool; a split-KV one its ``num_splits`` (0: the kernel's own
 choice); a varlen one its segments, each (n_q, n_kv) from 0 up. Where the kernel takes grouped heads, decode and

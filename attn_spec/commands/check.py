@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
+from attn_spec.exit_codes import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
 
 CHECK_EPILOG = """\
 Examples:

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from attn_spec.cli import EXIT_OK, usage_error
+from attn_spec.exit_codes import EXIT_OK, usage_error
 
 CONFIG_EPILOG = """\
 Examples:

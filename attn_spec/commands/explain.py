@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from attn_spec.cli import EXIT_OK, usage_error
+from attn_spec.exit_codes import EXIT_OK, usage_error
 
 
 def add_parser(commands) -> None:
@@ -18,8 +18,7 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> int:
-    import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.properties import catalog
     from attn_spec.diagnosis import MISTAKES
     from attn_spec.lessons import render
     from attn_spec.mistake_lessons import render_mistake
@@ -33,9 +32,10 @@ def run(args) -> int:
     if args.id in MISTAKES:
         sys.stdout.write(render_mistake(args.id, args.format))
         return EXIT_OK
-    if args.id not in REGISTRY:
-        hint = did_you_mean(args.id, [*REGISTRY, *MISTAKES])
+    known = catalog()
+    if args.id not in known:
+        hint = did_you_mean(args.id, [*known, *MISTAKES])
         return usage_error(args, f"unknown property id {args.id!r}{hint} (nor a mistake id: attn-spec list --mistakes "
-                                 f"lists those); known property ids:\n  " + "\n  ".join(REGISTRY))
+                                 f"lists those); known property ids:\n  " + "\n  ".join(known))
     sys.stdout.write(render(args.id, args.format))
     return EXIT_OK

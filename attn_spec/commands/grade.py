@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from attn_spec.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
+from attn_spec.exit_codes import EXIT_FAIL, EXIT_OK, EXIT_USAGE, usage_error
 
 GRADE_EPILOG = """\
 Examples:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from attn_spec.cli import EXIT_OK
+from attn_spec.exit_codes import EXIT_OK
 
 
 def add_parser(commands) -> None:
@@ -21,8 +21,7 @@ def add_parser(commands) -> None:
 def run(args) -> int:
     from tabulate import tabulate
 
-    import attn_spec.properties  # noqa: F401 - registers the catalog
-    from attn_spec.checking.catalog import REGISTRY
+    from attn_spec.properties import catalog
 
     markdown = args.format == "markdown"
     if args.mistakes:
@@ -31,7 +30,7 @@ def run(args) -> int:
         return _conventions(markdown, tabulate)
     rows = [[p.id, p.family, p.statement if markdown else textwrap.fill(p.statement, 60),
              ", ".join(p.conventions) if markdown else textwrap.fill(", ".join(p.conventions), 28)]
-            for p in REGISTRY.values()]
+            for p in catalog().values()]
     print(tabulate(rows, headers=["id", "family", "statement", "conventions"],
                    tablefmt="github" if markdown else "simple_grid"))
     print(f"\n{len(rows)} properties · attn-spec explain ID for one of them")

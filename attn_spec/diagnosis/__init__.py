@@ -8,7 +8,9 @@
 - :mod:`~attn_spec.diagnosis.predict`: what a model does on one call;
 - :mod:`~attn_spec.diagnosis.replay`: which models reproduce the calls of a failure;
 - :mod:`~attn_spec.diagnosis.evidence`, ``roots``, ``run``: replays, one root per bug, the report;
-- :mod:`~attn_spec.diagnosis.numbers`: causes read from a property's numbers;
+- :mod:`~attn_spec.diagnosis.causes` (with ``causes_formula``, ``causes_code``): the words of every cause the
+  catalog names (``because("key", **facts)``); ``numbers``: causes read from a property's numbers; ``mask_mods``:
+  the wrong mask_mods of an --expect-mask statement;
 - :mod:`~attn_spec.diagnosis.measured`: roots the calls show by themselves (no tensor back, K transposed
   over the wrong axes);
 - :mod:`~attn_spec.diagnosis.passing`: a model must agree with the calls of the properties that passed;

@@ -4,77 +4,15 @@ With q = 0 every score is 0, so the weights are softmax(bias) and, with V = I, t
 row: log w_ij - max_j log w_ij is the bias of row i up to its row constant (:func:`read`). flash-attn's bias
 is -slope_h * |i + n_kv - n_q - j| (aligned bottom-right, like its causal mask); under a causal mask a signed
 form -slope_h * (i + n_kv - n_q - j) is the same on the allowed keys. Each model is ``fn(reading) -> params
-or None`` on the measured bias; the first that recognises it names the root of alibi-slopes' failures.
+or None`` on the measured bias; the first that recognises it names the root of alibi-slopes' failures. The
+readout itself (:func:`attn_spec.properties.alibi.read`) is the property's.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from attn_spec.diagnosis.model import mistake
-from attn_spec.reference import key_offset
-
-F64 = torch.float64
-H, N_Q, N_KV = 4, 5, 7  # heads, queries and keys of the readout: n_q != n_kv shows the alignment
-
-
-def slopes(heads: int) -> tuple:
-    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / heads), one per head."""
-    return tuple(2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads))
-
-
-SLOPES = slopes(H)  # the readout's (exact in float32)
-
-
-def distance(n_q: int, n_kv: int, offset: int | None = None) -> torch.Tensor:
-    """i + offset - j [n_q, n_kv], offset = n_kv - n_q (bottom-right) unless given."""
-    offset = key_offset(n_q, n_kv, "bottom-right") if offset is None else offset
-    return (torch.arange(n_q)[:, None] + offset - torch.arange(n_kv)[None, :]).to(F64)
-
-
-def bias(slopes, n_q: int, n_kv: int, form: str = "symmetric", offset: int | None = None) -> torch.Tensor:
-    """[H, n_q, n_kv]: -slope_h * |d| (symmetric) or -slope_h * d (signed), d = i + offset - j."""
-    d = distance(n_q, n_kv, offset)
-    d = d.abs() if form == "symmetric" else d
-    return -torch.as_tensor(slopes, dtype=F64)[:, None, None] * d  # [H, n_q, n_kv]
-
-
-def relative(scores: torch.Tensor) -> torch.Tensor:
-    """Each row up to its own constant: minus its max (the only part softmax sees)."""
-    return scores - scores.max(dim=-1, keepdim=True).values
-
-
-@dataclass
-class Reading:
-    """The bias the unmasked readout measured, [H, N_Q, N_KV], each row minus its max; the slopes given."""
-
-    measured: torch.Tensor
-    slopes: tuple
-    tol: float = 1e-5  # in log-weight units: the readout dtype's rounding
-
-    def matches(self, expected: torch.Tensor) -> bool:
-        return bool(torch.allclose(self.measured, relative(expected), atol=self.tol, rtol=0.0))
-
-
-def readout_inputs(dtype, device):
-    """q = 0 [1, H, N_Q, 4], k = 1 [1, H, N_KV, 4], V = I [1, H, N_KV, N_KV], the slopes [H] (float32)."""
-    q = torch.zeros(1, H, N_Q, 4, dtype=dtype, device=device)
-    k = torch.ones(1, H, N_KV, 4, dtype=dtype, device=device)
-    v = torch.eye(N_KV, dtype=dtype, device=device).expand(1, H, N_KV, N_KV)
-    return q, k, v, torch.tensor(SLOPES, dtype=torch.float32, device=device)
-
-
-def read(target, dtype=torch.float32, device="cpu") -> Reading:
-    q, k, v, slopes = readout_inputs(dtype, device)
-    weights = target.attend(q, k, v, None, alibi=slopes).detach().to("cpu", F64)[0]  # [H, N_Q, N_KV]
-    tol = max(1e-5, 16 * torch.finfo(dtype).eps)  # a weight's relative rounding is its log's absolute one
-    return Reading(relative(weights.clamp(min=1e-300).log()), SLOPES, tol)
-
-
-def form(reading: Reading) -> str | None:
-    """"symmetric" or "signed" when the readout is one of the correct forms, else None."""
-    return next((f for f in ("symmetric", "signed") if reading.matches(bias(reading.slopes, N_Q, N_KV, f))), None)
+from attn_spec.properties.alibi import N_KV, N_Q, SLOPES, Reading, bias, read  # the readout, the property's own
 
 
 @mistake("alibi-ignored", level="alibi", family="alibi", caught_by=("alibi-slopes",),

@@ -3,7 +3,8 @@
 A dropped call cannot be replayed: its mask is random. It can be read, though: with q = k = 0 every allowed
 key of row i has weight 1/n_i, and with V = [I | I] the output row is the dropped weight row, twice
 (:func:`read`). Each model is ``fn(reading) -> params or None``: it recognises what the reading looks like
-for that wrong kernel; the first that does names the root of the dropout properties' failures.
+for that wrong kernel; the first that does names the root of the dropout properties' failures. One readout
+call (:func:`attn_spec.properties.dropout.dropped`) is the property's.
 """
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import torch
 
 from attn_spec import reference
 from attn_spec.diagnosis.model import mistake
+from attn_spec.properties.dropout import N, Z, dropped  # the readout, the property's own
 
 F64 = torch.float64
-N = 48  # queries and keys of the readout: 2 x 2 x 48 x 48 = 9216 weights, 4608 under the causal mask
-Z = 7.0  # standard deviations a correct kernel's kept count may stray (a chance below 1e-11)
 
 
 @dataclass
@@ -45,41 +45,6 @@ class Reading:
         """(fraction of the unmasked readout's weights kept, Z standard deviations of a correct kernel's)."""
         w = self.halves()[0]
         return (w != 0).to(F64).mean().item(), Z * math.sqrt(self.p * (1 - self.p) / w.numel())
-
-
-def inputs(dtype, device):
-    """q = k = 0 [2, 2, N, 4] and V = [I | I] [2, 2, N, 2N]."""
-    q = torch.zeros(2, 2, N, 4, dtype=dtype, device=device)
-    v = torch.cat([torch.eye(N), torch.eye(N)], dim=-1).to(dtype=dtype, device=device).expand(2, 2, N, 2 * N)
-    return q, q.clone(), v
-
-
-def seeded(target, seed: int, *args, **kwargs):
-    """One call with torch's generators seeded, the caller's random stream left as it was."""
-    with torch.random.fork_rng(devices=[] if args[0].device.type == "cpu" else None):
-        torch.manual_seed(seed)
-        return target.attend(*args, **kwargs)
-
-
-def dropped(target, p: float, seed: int, *, causal=False, dtype=torch.float32, device="cpu"):
-    """(the dropped weights [B, H, N, 2N] in float64, how causality was asked: "", "causal mask" or
-    "is_causal=True") of one readout call at dropout ``p`` after ``torch.manual_seed(seed)``. Causal through a
-    mask where the target takes a causal one, else is_causal; None for a kernel that takes neither."""
-    from attn_spec.errors import Unsupported
-    from attn_spec.targets.capabilities import supports
-
-    how, asked = "", {}
-    if causal and "causal" in supports(target, device=device).masks:
-        how, asked = "causal mask", {"mask": reference.causal_mask(N, N, device=device)}
-    elif causal:
-        how, asked = "is_causal=True", {"is_causal": True}
-    try:
-        out = seeded(target, seed, *inputs(dtype, device), dropout=p, **asked)  # [B, H, N, 2N]
-    except Unsupported:
-        if "is_causal" not in asked:
-            raise
-        return None  # neither a mask nor is_causal
-    return out.detach().to("cpu", F64), how
 
 
 def read(target, p: float, seed: int, dtype=torch.float32, device="cpu", causal=False) -> Reading:

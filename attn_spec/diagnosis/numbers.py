@@ -1,53 +1,11 @@
-"""Causes read from the numbers a property measured: the scale law, a factor on every weight, the
-weight masked keys share. Each returns a plain sentence (never "undefined" or "no standard form")."""
+"""Causes read from the numbers a property measured: a factor on every weight, the weight masked keys share
+(the scale law is named beside its probe, attn_spec.checking.probes.name_scale). Each returns a plain sentence
+(never "undefined" or "no standard form")."""
 from __future__ import annotations
 
 import math
 
 import torch
-
-
-def scale_law(found: dict[int, float]) -> tuple[float, float] | None:
-    """(c, p) with scale = c * d_k^p, from the scale recovered at two key widths; None if unreadable."""
-    (d1, s1), (d2, s2) = sorted(found.items())[:2]
-    if not all(math.isfinite(s) and s > 0 for s in (s1, s2)) or d1 == d2:
-        return None
-    p = math.log(s1 / s2) / math.log(d1 / d2)
-    return s1 / d1**p, p
-
-
-def _close(x: float, y: float, tol: float = 1e-3) -> bool:
-    return math.isclose(x, y, rel_tol=tol, abs_tol=tol)
-
-
-def name_scale(found: dict[int, float], n_heads: int = 1) -> str:
-    """What the recovered scales say, e.g. '1/d_k', '1/(2 d_k)', '1/sqrt(d_model)', '1.11/sqrt(d_k)'."""
-    values = list(found.values())
-    if any(not math.isfinite(s) for s in values):
-        return ("unreadable: the probe's weight on the larger key was 0 or 1 (a saturated or inverted softmax, "
-                "or weights that are not a softmax of the scores)")
-    if any(s <= 0 for s in values):
-        return "negative: the larger score gets the smaller weight (the scores are negated, or not a softmax over keys)"
-    law = scale_law(found) if len(found) > 1 else None
-    if law is None:
-        (d, s), = found.items()
-        return f"{s:.4g} at d_k={d}"
-    c, p = law
-    named = [(1.0, -0.5, "1/sqrt(d_k)"), (1.0, -1.0, "1/d_k"), (0.5, -1.0, "1/(2 d_k)"), (1.0, 0.0, "1 (no scaling)"),
-             (1.0, 0.5, "sqrt(d_k) (multiplied instead of divided)"), (1.0, -1.5, "1/d_k^1.5 (scaled twice)")]
-    if n_heads > 1:
-        named.append((1 / math.sqrt(n_heads), -0.5, f"1/sqrt(d_model) = 1/sqrt({n_heads} d_k): the whole width, not one head's"))
-    for cc, pp, label in named:
-        if _close(c, cc) and _close(p, pp, 2e-3):
-            return label
-    if _close(p, 0.0, 2e-3):
-        width = 1 / c**2
-        if _close(width, round(width), 1e-3) and round(width) > 1:
-            return f"1/sqrt({round(width)}) at every width: a hard-coded d_k of {round(width)}"
-        return f"{c:.4g} at every width: a constant, not computed from d_k"
-    if _close(p, -0.5, 2e-3):
-        return f"{c:.4g}/sqrt(d_k): an extra factor {c:.4g} (a temperature of {1 / c:.4g} left in?)"
-    return f"{c:.4g} · d_k^{p:.3g}"
 
 
 def weight_factor(w: torch.Tensor, ref: torch.Tensor) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from attn_spec.checking.catalog import REGISTRY
 from attn_spec.diagnosis import MISTAKES
 from attn_spec.diagnosis import replay
 from attn_spec.diagnosis.evidence import one_thread
@@ -28,6 +27,7 @@ from attn_spec.targets.record import record
 from attn_spec.diagnosis.roots import Diagnosis
 from attn_spec.diagnosis.run import case_of, replayable
 from attn_spec.errors import Failure
+from attn_spec.properties import catalog
 
 MAX_ROOTS = 32  # roots read from one reply
 DIAGNOSIS_SECONDS = 60  # for the child's diagnosis of one convention's failures
@@ -37,7 +37,7 @@ def diagnose_rows(child, target, conv: str, rows, dtypes, device: str) -> list[D
     """The checked roots of the failing ``rows`` (one convention's graded rows, checked on ``dtypes`` and
     ``device`` first); the rows they explain
     point at them (``blocked_by``, ``explained_by``, ``cause``). Raises Stopped as any call does."""
-    failing = {r.id: r for r in rows if r.status == "fail" and r.id in REGISTRY}
+    failing = {r.id: r for r in rows if r.status == "fail" and r.id in catalog()}
     cases = {pid: case_of(r) for pid, r in failing.items()}
     sent = [{"id": pid, "case": failing[pid].counterexample["case"], "vacuous": bool(failing[pid].vacuous)}
             for pid, case in cases.items() if case is not None and replayable(case)]
@@ -102,7 +102,7 @@ def _checked(claim, failing: dict, cases: dict, target, taken: set, order: list,
 def _reproduces(model, pid: str, target, case) -> int:
     """Calls reproduced when the property, replayed on its case through the wire, fails again and
     ``model`` reproduces every one of its calls (0 otherwise)."""
-    calls, raised = record(REGISTRY[pid].fn, target, case)
+    calls, raised = record(catalog()[pid].fn, target, case)
     if not isinstance(raised, Failure):
         return 0
     with one_thread():

@@ -11,7 +11,6 @@ import importlib
 import tomllib
 from dataclasses import dataclass, field, replace
 
-from attn_spec.checking.catalog import REGISTRY
 from attn_spec.grading.default_rubric import DEFAULT_RUBRIC
 from attn_spec.checking.cases import available_devices
 from attn_spec.checking.strategies import DTYPES, PROFILES
@@ -76,14 +75,15 @@ class Rubric:
 
     def check_catalog(self) -> None:
         """Every id named must be in the catalog and apply to its convention."""
-        import attn_spec.properties  # noqa: F401 - fills REGISTRY
+        from attn_spec.properties import catalog
 
+        known = catalog()
         for conv, section in self.conventions.items():
             for pid in section.points:
-                if pid not in REGISTRY:
+                if pid not in known:
                     raise RubricError(f"{self.source}: [{conv}] names unknown property {pid!r}; "
-                                      f"known: {', '.join(REGISTRY)}")
-                if conv not in REGISTRY[pid].conventions:
+                                      f"known: {', '.join(known)}")
+                if conv not in known[pid].conventions:
                     raise RubricError(f"{self.source}: [{conv}] names {pid!r}, which does not apply to the "
                                       f"{conv} convention")
             if section.mistakes:

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from attn_spec.cli import EXIT_HUNG
+from attn_spec.exit_codes import EXIT_HUNG
 from attn_spec.errors import KitSignal, TargetHung
 from attn_spec.targets.tracebacks import user_traceback
 

@@ -58,10 +58,10 @@ def _owners():
         for value in list(vars(module).values()):
             if isinstance(value, type) and value.__module__ == name:
                 yield value, f"{name}.{value.__qualname__}", True
-    catalog = sys.modules.get(f"{KIT}.checking.catalog")
-    for pid, entry in getattr(catalog, "REGISTRY", {}).items():
+    catalog = sys.modules.get(f"{KIT}.properties")  # the loaded catalog's entries (attn_spec.properties.catalog())
+    for pid, entry in dict(getattr(catalog, "_CATALOG", None) or {}).items():
         if hasattr(entry, "__dict__"):
-            yield entry, f"{KIT}.checking.catalog.REGISTRY[{pid!r}]", True
+            yield entry, f"{KIT}.properties.catalog()[{pid!r}]", True
 
 
 TORCH_DIR = os.path.dirname(torch.__file__)

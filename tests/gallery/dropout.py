@@ -107,7 +107,7 @@ def dropout_unseeded(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 # ---------------------------------------------------------------- ALiBi (flash-attn's alibi_slopes)
 
 def _alibi(query, key, value, alibi_slopes, causal, softmax_scale, sign=-1.0, offset=None, slopes_order=1):
-    from attn_spec.diagnosis.mistakes_alibi import distance
+    from attn_spec.properties.alibi import distance
 
     n_q, n_kv = query.shape[-2], key.shape[-2]
     scale = 1 / math.sqrt(query.size(-1)) if softmax_scale is None else softmax_scale

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from attn_spec.checking.catalog import REGISTRY
 from attn_spec.diagnosis.run import diagnose
 from attn_spec.grading.isolation import wire
+from attn_spec.properties import catalog
 from attn_spec.targets.capabilities import supports
 
 TEXT_LIMIT = 200
@@ -32,7 +32,7 @@ def answer(chan: wire.Channel, header: dict, targets: dict, hits_fd: list) -> No
         results = [SimpleNamespace(id=f["id"], status="fail", vacuous=bool(f.get("vacuous")), case=None,
                                    counterexample={"case": f["case"]}) for f in header["failures"]]
         roots = [{"root": d.root, "mistake": d.mistake, "params": d.params, "explains": list(d.explains),
-                  "guess": d.guess} for d in diagnose(target, results, REGISTRY)]
+                  "guess": d.guess} for d in diagnose(target, results, catalog())]
         reply = {"roots": roots}
     except BaseException as exc:  # noqa: BLE001 - SystemExit and friends are re-raised
         if isinstance(exc, (SystemExit, KeyboardInterrupt, GeneratorExit)):

@@ -211,8 +211,9 @@ def _reap(*_) -> None:
 
 def main(fd: int) -> None:
     from attn_spec.grading.isolation import sandbox, wire  # noqa: F401 - loaded once, used by every child
-    import attn_spec.properties  # noqa: F401 - the catalog, for a child's diagnosis (isolation/diagnosis.py)
+    from attn_spec.properties import catalog
 
+    catalog()  # loaded once here, for every child's diagnosis (isolation/diagnosis.py)
     preload()
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, _reap)

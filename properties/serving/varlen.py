@@ -17,6 +17,7 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import _values
 from attn_spec.checking.tolerance import budget, softcap_budget
 from attn_spec.errors import Uninformative
+from attn_spec.failures import because
 from attn_spec.reference import repeat_kv
 from attn_spec.serving_reference import segment_mask, varlen_reference
 from attn_spec.targets.serving_varlen import cu_seqlens
@@ -78,8 +79,7 @@ def run(target, args, options):
         outcome = {"crashes": f"the process dies ({value})", "hangs": "it does not return within 20 s"}
         fail(outcome.get(kind, f"it raises {value[0]}: {value[1]}" if kind == "raises" else str(value)),
              what="a packed batch with an empty sequence, run in a forked child", call=_call_text(target, args, options),
-             expected="a result", cause="the kernel cannot take sequences with no queries or no keys (or max_seqlen = "
-                                        "1): guard the empty cases before the arithmetic")
+             expected="a result", cause=because("varlen-empty-sequences"))
     return value
 
 
@@ -106,15 +106,7 @@ def judge_segments(target, out, args, options, call: str) -> None:
             limit = budget(q_b[:, seen], k_b, v_b, allowed[seen], ref_b[:, seen])
         assert_close(out[rows].transpose(0, 1), ref_b, budget=limit, call=call,
                      what=f"sequence {b} (n_q = {q_b.shape[1]}, n_k = {k_b.shape[1]}) vs attention over it alone",
-                     cause=lambda: _why_differs(target, options))
-
-
-def _why_differs(target, options) -> str:
-    alignment = target.behaviour()["causal-alignment"]
-    if (options.get("causal") or options.get("window")) and alignment == "top-left per sequence":
-        return ("causal is aligned top-left: query i of a sequence of n_q queries over n_k keys sits at key position "
-                "i + n_k - n_q (bottom-right per sequence, as flash-attn does)")
-    return ""
+                     cause=because("varlen-differs", target=target, options=options))
 
 
 @prop("varlen-equals-per-sequence", family="serving",
@@ -198,7 +190,7 @@ def segment_isolation(target, case):
                  f"{' (head 0, first 4 entries)' if after.shape[-1] > 4 else ' (head 0)'}",
                  what=f"the output of the other sequences after changing sequence {c} ({segments[c][0]} queries, "
                       f"{segments[c][1]} keys)", expected="every row outside sequence c bitwise unchanged",
-                 call=_call_text(target, args, options), cause="the kernel mixes sequences: a query reads keys or values outside its own segment",
+                 call=_call_text(target, args, options), cause=because("varlen-mixes-sequences"),
                  got=after[:, 0].to(F64), expected_tensor=before[:, 0].to(F64),
                  labels=(f"out[:, head 0] with sequence {c} changed", "out[:, head 0] before"))
 

@@ -1,6 +1,6 @@
 """Chunked prefill (the ``decode`` convention with S_new > 1): a prompt appended in chunks, each chunk one call,
 must give what one call over the whole prompt gives, in a contiguous cache and, for a kernel that takes a block
-table, in a paged one. A case is read as decode_inputs reads it (properties/decode.py).
+table, in a paged one. A case is read as decode_inputs reads it (properties/serving/decode.py).
 """
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from attn_spec.checking.assertions import assert_close, fail
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.properties.decode import AT_SCALE, EXAMPLES, decode_inputs, last_rows_reference
-from attn_spec.properties.paged import PAGED_CASES, page_layout, to_pages
+from attn_spec.properties.serving.decode import AT_SCALE, EXAMPLES, decode_inputs, last_rows_reference
+from attn_spec.properties.serving.paged import PAGED_CASES, page_layout, to_pages
 from attn_spec.targets.serving_decode import page_granule
+from attn_spec.failures import because
 
 F64 = torch.float64
 
@@ -77,14 +78,14 @@ def chunked_prefill_equals_one_shot(target, case):
                 i, r = wrong.nonzero()[0].tolist()
                 fail(f"{int(wrong.sum())} rows differ, the first row {r} of {'page' if paged else 'element'} {i}",
                      what=f"{name} after the chunks", expected=f"the {name} of one call appending all {S} tokens, bitwise",
-                     call=call, cause="the append depends on how the prompt was split into chunks",
+                     call=call, cause=because("prefill-depends-on-chunks"),
                      got=got[i].flatten(1).to(F64), expected_tensor=want[i].flatten(1).to(F64),
                      labels=(f"{name}[{i}] after the chunks", f"{name}[{i}] after one call"))
 
 
 def _layouts(target, case, k_full, v_full):
     """(name, block_table or None, (k_cache, v_cache)): the contiguous cache, and a paged copy of it where the kernel
-    takes a block table (the case's page size, the order drawn as properties/paged.py draws it)."""
+    takes a block table (the case's page size, the order drawn as properties/serving/paged.py draws it)."""
     yield "contiguous", None, (k_full, v_full)
     if "block_table" in target.accepts:
         P, table, num_blocks = page_layout(case, k_full.shape[1], granule=page_granule(target))

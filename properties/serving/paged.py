@@ -1,7 +1,7 @@
 """Paged KV caches (the ``decode`` convention with ``block_table``): what a kernel that reads its cache through a
 block table must compute, whatever page size and page order the pool has.
 
-A case is read as decode_inputs reads it (properties/decode.py): B elements, each a sequence of L_b tokens, S_new
+A case is read as decode_inputs reads it (properties/serving/decode.py): B elements, each a sequence of L_b tokens, S_new
 of them new. The pool is paged: the case's drawn page size P (``page_size``: page 1, non-divisors and pages longer
 than the sequence among them; a multiple of the smallest page size the kernel takes where it refuses page 1, as
 flash-attn 2 takes multiples of 256 only), a block table of max_blocks = ceil((n_kv + 2) / P) + 1 columns (so some
@@ -20,8 +20,9 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.properties.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
+from attn_spec.properties.serving.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
 from attn_spec.targets.serving_decode import page_granule, unread_fill
+from attn_spec.failures import because
 
 F64 = torch.float64
 
@@ -191,8 +192,7 @@ def paged_outside_invariance(target, case):
                   f"in its last page, {_n(table.shape[1] - pages, 'more page')} in its table)",
              expected="the output of the same call with stale finite values there, bitwise",
              call=f"{target.name}(q, k_pages, v_pages, k, v, cache_seqlens, block_table, causal=True)",
-             cause="the kernel reads pool slots it must not attend: only rows [0, cache_seqlens + S_new) of each "
-                   "element, through its block table", got=poisoned[b].transpose(0, 1).to(F64),
+             cause=because("paged-reads-outside"), got=poisoned[b].transpose(0, 1).to(F64),
              expected_tensor=clean[b].transpose(0, 1).to(F64),
              labels=(f"the output with {shown} in the slots nobody attends", "the output with stale values there"))
 
@@ -241,8 +241,7 @@ def paged_append_writes_exactly(target, case):
                  expected=f"the slots (block_table[b, r // {P}], r % {P}) of rows r in [cache_seqlens_b, "
                           f"cache_seqlens_b + {S}) replaced by the new rows, bitwise, and nothing else",
                  call=f"{target.name}(q, k_pages, v_pages, k, v, cache_seqlens, block_table)",
-                 cause="the kernel writes the appended rows elsewhere than their slots through the block table, or "
-                       "writes other slots too", got=got[page].flatten(1).to(F64),
+                 cause=because("paged-append-elsewhere"), got=got[page].flatten(1).to(F64),
                  expected_tensor=want[page].flatten(1).to(F64),
                  labels=(f"page {page} of {name} after the call, one row per slot", "the page with exactly the new rows"))
 
@@ -288,7 +287,7 @@ def paged_capacity_contract(target, case):
         fail(f"raised {type(exc.exc).__name__}: {exc.exc}", what="a call with every "
              f"element exactly at the block table's capacity ({table.shape[1]} pages of {P} = {capacity} rows)",
              expected="an output: a full block table is a valid call", call=f"{target.name}(q, k_pages, v_pages, "
-             f"cache_seqlens={capacity}, block_table)", cause="the capacity check is off by one (>= where > is meant)")
+             f"cache_seqlens={capacity}, block_table)", cause=because("paged-capacity-off-by-one"))
     for b in range(B):
         q_b, k_b, v_b, ref = last_rows_reference(q, k_seq, v_seq, b, 0, capacity)
         assert_close(out[b].transpose(0, 1), ref,
@@ -311,5 +310,4 @@ def paged_capacity_contract(target, case):
              expected="an exception: the block table cannot hold that length",
              call=f"{target.name}(q, k_pages, v_pages{', k, v' if how == 'an append' else ''}, cache_seqlens, "
                   f"block_table, causal=True)",
-             cause="the kernel does not check the length against its block table and reads (or writes) past it "
-                   "silently (flash-attn #2709)")
+             cause=because("paged-no-capacity-check"))

@@ -17,6 +17,7 @@ from attn_spec.checking.assertions import assert_within, fail
 from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import earned, eps, max_error
+from attn_spec.failures import because
 from attn_spec.serving_reference import merge_reference
 
 F64 = torch.float64
@@ -98,8 +99,7 @@ def merge_equals_union(target, case):
                   earned(max_error(naive_s.to(F64) * math.log(base), lse_ref), lse_unit),
                   what="max |merged LSE - logsumexp of every score| (natural log)", call=call,
                   got=(s.to(F64) * math.log(base)), expected_tensor=lse_ref,
-                  cause="the merged LSE must be logaddexp(s_a, s_b): the max alone forgets the sum of the rescaled "
-                        "weights")
+                  cause=because("merge-lse-max"))
 
 
 def _same_dtype(v_a, s_a, v_b, s_b, base):
@@ -145,7 +145,7 @@ def merge_empty_neutral(target, case):
             fail(f"{'NaN' if bad else 'a different state'} (first row: v {got_v[0, 0].tolist()}, s {got_s[0, 0].item()})",
                  what=f"{label} over {T} x {H} rows", expected="x itself, bitwise" if label != "merge(empty, empty)"
                  else "the empty state (0, -inf)", call=f"{target.name}(v_a, s_a, v_b, s_b)",
-                 cause="with both LSEs -inf, exp(s - max) is exp(-inf + inf) = NaN: guard the empty case" if bad else "",
+                 cause=because("merge-empty-nan") if bad else "",
                  got=got_v[:, 0].to(F64), expected_tensor=want_v[:, 0].to(F64),
                  labels=(f"v of {label}, head 0", "v of x itself, head 0" if label != "merge(empty, empty)"
                          else "v of the empty state (zeros), head 0"))

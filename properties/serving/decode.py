@@ -20,6 +20,7 @@ from attn_spec.checking.cases import Case, _values
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import KitUsageError, Unsupported
 from attn_spec.targets.serving_decode import unread_fill
+from attn_spec.failures import because
 
 F64 = torch.float64
 DECODE_CASES = {"masks": ("none",), "batch": True, "same_width": True, "cache": True, "grouped": 1}
@@ -101,15 +102,7 @@ def decode_equals_full_causal(target, case):
                          budget=budget(q_b, k_b, v_b, None, ref, causal=True, causal_alignment="bottom-right"),
                          what="the decoded rows vs the last rows of full causal attention", call=call,
                          inputs={f"q[{b}]": q_b, f"K[{b}] (all {length} tokens)": k_b, f"V[{b}] (all {length} tokens)": v_b},
-                         cause=lambda: _why_decode_differs(target))
-
-
-def _why_decode_differs(target) -> str:
-    found = target.behaviour()
-    if found["causal-alignment"] == "top-left":
-        return ("causal is aligned top-left: the new tokens are the last of the sequence, so query i must see keys "
-                "up to n_keys - S_new + i (bottom-right)")
-    return ""
+                         cause=because("decode-differs", target=target))
 
 
 @prop("cache-outside-invariance", family="serving",
@@ -161,8 +154,7 @@ def cache_outside_invariance(target, case):
              expected="the output of the same call with stale finite values there, bitwise",
              call=f"{target.name}(q, k_cache, v_cache, k, v, cache_seqlens{', cache_leftpad' if pad is not None else ''}, "
                   f"causal=True)",
-             cause="the kernel reads cache rows it must not attend: only [cache_leftpad, cache_seqlens + S_new) after "
-                   "the append", got=poisoned[b].transpose(0, 1).to(F64), expected_tensor=clean[b].transpose(0, 1).to(F64),
+             cause=because("decode-reads-outside-cache"), got=poisoned[b].transpose(0, 1).to(F64), expected_tensor=clean[b].transpose(0, 1).to(F64),
              labels=(f"the output with {shown} outside the attended rows",
                      "the target's own output with stale finite values there"))
 
@@ -205,6 +197,5 @@ def append_writes_exactly(target, case):
             fail(f"{int(wrong.sum())} rows differ, the first row {r} of element {b}", what=f"{name} after the call",
                  expected=f"rows [{int(seqlens[b])}, {int(seqlens[b]) + S}) of element {b} replaced by the new rows, "
                           f"bitwise, and nothing else", call=f"{target.name}(q, k_cache, v_cache, k, v, cache_seqlens)",
-                 cause="the kernel writes the appended rows elsewhere than [cache_seqlens, cache_seqlens + S_new), or "
-                       "writes other rows too", got=got[b].flatten(1).to(F64), expected_tensor=want[b].flatten(1).to(F64),
+                 cause=because("decode-append-elsewhere"), got=got[b].flatten(1).to(F64), expected_tensor=want[b].flatten(1).to(F64),
                  labels=(f"{name}[{b}] after the call, one row per cache row", "the cache with exactly the new rows"))

@@ -3,7 +3,7 @@
 kernel): merging, cascade attention and the backward pass all rest on it, so it is checked against its definition,
 not only through a merge.
 
-A case is read as the decode properties read it (attn_spec.properties.decode) or as a packed batch (varlen), with
+A case is read as the decode properties read it (attn_spec.properties.serving.decode) or as a packed batch (varlen), with
 H_kv, the key/value heads, the case's own ``kv_heads`` (drawn where the kernel takes grouped heads, as for the
 other decode and varlen properties). The LSE is compared in natural log: a kernel
 the header found to return base 2 (FlashInfer's ``m + log2(d)``) has its LSE multiplied by ln 2 first.
@@ -20,8 +20,9 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import lse_budget
 from attn_spec.errors import Uninformative, Unsupported
-from attn_spec.properties.decode import decode_inputs
-from attn_spec.properties.varlen import AT_SCALE, _call_text, option_sets, packed, packed_inputs, run
+from attn_spec.failures import because
+from attn_spec.properties.serving.decode import decode_inputs
+from attn_spec.properties.serving.varlen import AT_SCALE, _call_text, option_sets, packed, packed_inputs, run
 from attn_spec.reference import causal_mask, repeat_kv
 from attn_spec.serving_reference import decode_reference, segment_mask, varlen_reference
 
@@ -73,26 +74,15 @@ def judge_rows(got, ref, q, k, allowed, *, target, what, call, lse_dtype, softca
         if wrong.any():
             fail(f"{got[:, ~seen][wrong][0].item():g}", what=f"the LSE of a row with no key to attend ({what})",
                  expected=f"{empty:g}, the value the header's probe found for an empty row", call=call,
-                 cause="a row with no key has LSE -inf (the empty state of a merge); a kernel may return another "
-                       "fixed value (flash-attn +inf, the CPU flash op 0), but the same one for every empty row",
+                 cause=because("lse-empty-row"),
                  got=got.to(F64), expected_tensor=ref)
     if seen.any():
         limit = lse_budget(q[:, seen], k, allowed[seen], ref[:, seen], lse_dtype, softcap=softcap)
         assert_close(got[:, seen].to(F64), ref[:, seen], budget=limit, call=call,
                      what=f"the returned LSE ({what}) vs logsumexp of the scaled scores over the allowed keys",
-                     cause=lambda: _why(target, got[:, seen], ref[:, seen]), shown=(got.to(F64), ref),
+                     cause=because("lse-differs", target=target, got=got[:, seen], ref=ref[:, seen]), shown=(got.to(F64), ref),
                      labels=("the returned LSE (natural log), one row per head", "logsumexp of the scaled scores"),
                      inputs={"q (the call's, head first)": q, "K (the keys it may attend, head first)": k})
-
-
-def _why(target, got, ref) -> str:
-    if (torch.isinf(got) & torch.isfinite(ref)).any():
-        return ("the LSE overflows: exp of a large score is inf without the row max subtracted first "
-                "(lse = m + log sum_j exp(s_j - m), m = max_j s_j)")
-    if target.behaviour()["lse-base"] not in ("e", "2"):
-        return (f"the header's probe found the LSE in neither base e nor 2 ({target.behaviour()['lse-base']}): read "
-                f"here as natural log")
-    return ""
 
 
 @prop("lse-equals-logsumexp", family="serving",
@@ -163,7 +153,7 @@ def decode_call(target, q, k_full, v_full, seqlens, *, appended, causal, label="
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected:
         fail(f"{list(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}", what="the returned LSE",
              expected=f"a tensor of shape {list(expected)}: [B, H, S_new], as flash_attn_with_kvcache returns it",
-             call=call, cause="the LSE is laid out [B, H, S_new] (one row per head), not as q's [B, S_new, H]")
+             call=call, cause=because("lse-layout"))
     _, ref, _, _ = decode_reference(q, k_full, v_full, seqlens, *new, causal=causal)  # [B, H, S], natural log
     got = lse.to("cpu", F64) * ln_base(target)  # [B, H, S]
     ends = seqlens + (S if appended else 0)

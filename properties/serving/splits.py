@@ -11,7 +11,7 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import budget
 from attn_spec.errors import Unsupported
-from attn_spec.properties.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
+from attn_spec.properties.serving.decode import AT_SCALE, DECODE_CASES, decode_inputs, last_rows_reference
 
 SPLITS = (1, 2, 3, 0)  # 0: the kernel's own choice (flash-attn's default); a case without num_splits tries each
 # Each of SPLITS tried first, on a batch whose sequences (5 and 3 tokens) no split count divides evenly.
