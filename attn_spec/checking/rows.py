@@ -170,8 +170,8 @@ class Reference:
 
     def fast_budget(self) -> float:
         """What every row may differ from the fast reference by: twice the rows' budget with its floor over all rows."""
-        q, k, v, _ = self.inputs
-        return 2 * (FACTOR * self.naive_rows_error + FLOOR_ULPS * floor_unit(q, k, v, scale=self.options["scale"]))
+        q, k, v, mask = self.inputs
+        return 2 * (FACTOR * self.naive_rows_error + FLOOR_ULPS * floor_unit(q, k, v, mask, **self.options))
 
     def error(self, got) -> float:
         """max |got - ref64| on the judged rows."""
@@ -257,7 +257,7 @@ def _build(q, k, v, mask, options) -> Reference:
                                                          exact) for impl in (naive_attention, seed_attention)]
     finite = [e for e in errors if math.isfinite(e)]
     ref.naive_rows_error = max(finite) if finite else 0.0
-    ref.budget = FACTOR * ref.naive_rows_error + FLOOR_ULPS * floor_unit(q_rows, k, v, scale=options["scale"])
+    ref.budget = FACTOR * ref.naive_rows_error + FLOOR_ULPS * floor_unit(q_rows, k, v, m_rows, scale=options["scale"])
     return ref
 
 
