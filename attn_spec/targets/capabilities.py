@@ -26,6 +26,9 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
 ``gqa``         grouped-query heads: Q [4, 2, 2] over K, V [2, 2, 2] (function conventions);
                 raising = lacking it, except where GQA is part of the contract (flex,
                 hf under --require gqa or a GQA config: Target.raising_declines)
+``head-dims``   the head dims of envelope.HEAD_DIMS (1..256) it takes, d_v = d_k: ``yes``, or those taken
+                ("16-128", "16/32/64/128") when it refuses some on purpose (attn_spec.targets.envelope);
+                every other probe runs at the base the envelope found (float32 at d = 2 where it runs)
 ``length``      the largest sequence length it takes: ``yes`` at lengths.LENGTH_CEILING positions (self-attention
                 [n, 2]); else the largest n, by bisection. A limit the target declares (its own
                 refusal, a position buffer or attribute of n: nanoGPT's ``bias`` of ``block_size``;
@@ -33,12 +36,14 @@ capability      probe (float32, Q [2, 2] against K, V [2, 2] unless stated)
                 to N and the verdict says so. An undeclared crash is ``raises``: long-sequences
                 fails past it (attn_spec.targets.lengths)
 ``float64``,    the baseline in that dtype; ``unchecked`` when ``--dtypes`` leaves it out
+``float32``,
 ``float16``,
 ``bfloat16``
 ==============  ==================================================================
 
-Every probe but ``mask`` and ``unmasked`` runs with the mask the properties would give this
-target: none, or the causal one for a target that declines calls without a mask. Each probe
+A target's own refusal (an ``assert``, ``ValueError``, ``TypeError`` or ``NotImplementedError`` raised
+from its own code: envelope.declared_refusal) declines, as ``Unsupported`` does. Every probe but ``mask``
+and ``unmasked`` runs with the mask the properties would give this target: none, or the causal one for a target that declines calls without a mask. Each probe
 yields ``yes``; ``no`` (the target declined or lacks it; for ``autograd``, an output detached
 from the graph); ``raises`` (it raised some other exception, in its forward or its backward: the
 properties that use such inputs fail and say why); ``n/a``/``unchecked``; or ``error`` (a bug of
