@@ -211,11 +211,11 @@ def probe_capabilities(target, dtypes=tuple(DTYPES), device: str = "cpu") -> tup
     """(values, reasons): ``{"mask": "yes", "scale": "no", ...}`` and, for each capability that is not
     ``yes``, why (the target's own words where it gave them). Also keeps what the target takes on
     it (``target.supported``, see :func:`supports`)."""
-    base_name, d = find_base(target, dtypes, device)  # float32 at d = 2, else where the target's envelope allows
+    base_name, d, ran = find_base(target, dtypes, device)  # float32 at d = 2, else where its envelope allows
     base = DTYPES[base_name]
     found = _masks(target, base, device, d)
     masked = found["unmasked"][0] != "yes" and found["mask"][0] in ("yes", "causal-only")
-    value, why, head_dims = probe_head_dims(target, base, device, masked)
+    value, why, head_dims = probe_head_dims(target, base, device, masked) if ran else ("yes", "", None)
     found["head-dims"] = (value, why)
     other = next((w for w in head_dims or () if w != d), d + 1)
     for name, call in _probes(target, base, device, masked, d, other).items():

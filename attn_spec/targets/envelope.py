@@ -67,15 +67,21 @@ def _self_attention(target, dtype, d: int, device, masked: bool):
     return outcome(lambda: target.attend(q, k, v, causal_mask(2, 2, device=device) if masked else None))
 
 
-def find_base(target, dtypes, device) -> tuple[str, int]:
-    """(dtype name, head dim) the capability probes run at: float32 (else the first dtype checked) at d = 2 where
-    the target takes it, else the first pair, dtype by dtype, that runs without a mask or with the causal one."""
+def find_base(target, dtypes, device) -> tuple[str, int, bool]:
+    """(dtype name, head dim, whether it ran) the capability probes run at: float32 (else the first dtype checked) at
+    d = 2 where the target takes it, else the first pair, dtype by dtype, that runs without a mask or with the causal
+    one. The search goes on only past the target's refusals: a crash (or a hang) ends it at the first pair, so a
+    target that fails everywhere costs two calls here, and the properties say why."""
     order = (["float32"] if "float32" in dtypes else []) + [name for name in dtypes if name != "float32"]
     for name in order:
         for d in BASE_ORDER:
-            if any(_self_attention(target, DTYPES[name], d, device, masked)[0] == "yes" for masked in (False, True)):
-                return name, d
-    return order[0], 2  # nothing runs: the properties say why
+            for masked in (False, True):
+                value, _ = _self_attention(target, DTYPES[name], d, device, masked)
+                if value == "yes":
+                    return name, d, True
+                if value != "no":
+                    return order[0], 2, False
+    return order[0], 2, False  # it refuses everything: the properties say why
 
 
 def probe_head_dims(target, dtype, device, masked: bool) -> tuple[str, str, tuple[int, ...] | None]:
