@@ -221,6 +221,7 @@ class Checker:
         require = self.settings["require"]
         ids = [f"convention:{k}" for k in parse_requirements(require)] + \
               (["capability:length"] if parse_length(require) is not None else []) + \
+              [f"capability:{key}" for key in ("head-dims", "dtypes") if any(r.startswith(f"{key}=") for r in require)] + \
               [f"capability:{c}" for c in parse_capabilities(require) if c != "length" or parse_length(require) is None]
         return ([PropertyItem.from_parent(parent, name=name(p.id), prop=p, checker=self, key=key)
                  for p in applicable(self.plan.properties, self.targets[key])] +
@@ -326,7 +327,8 @@ class RequirementItem(_AttnItem):
             c.probed[self.key] = c.run.probe(c.targets[self.key])
         kind, _, name = self.requirement.partition(":")
         wanted = [r for r in c.settings["require"] if (r.partition("=")[0] if "=" in r else r) == name]
-        (result,) = [r for r in c.run.requirements(c.probed[self.key], wanted) if r.id == self.requirement]
+        (result,) = [r for r in c.run.requirements(c.probed[self.key], wanted, c.targets[self.key])
+                     if r.id == self.requirement]
         if result.status == "fail":
             self.fail(f"✗ {result.id}: {result.statement}\n  what happened: {result.message}", result.id)
 

@@ -83,12 +83,12 @@ class Run:
         report = TargetReport(target.name, target.convention)
         dtypes, device = self.dtypes_for(target), (self.devices or available_devices())[0]
         with timeout(self.call_timeout):
+            report.capabilities, report.lacks = probe_capabilities(target, dtypes, device)  # first: the envelope
             report.behaviours = probe_behaviours(target, "float32" if "float32" in dtypes else dtypes[0], device)
-            report.capabilities, report.lacks = probe_capabilities(target, dtypes, device)
         report.envelope = envelope(target.supported)
         return report
 
     @staticmethod
-    def requirements(report: TargetReport, require) -> list[PropertyResult]:
+    def requirements(report: TargetReport, require, target=None) -> list[PropertyResult]:
         """One result per ``require`` item, judged on the probed ``report`` (checking.runner.requirements)."""
-        return requirements(report, require)
+        return requirements(report, require, target)

@@ -116,7 +116,8 @@ _SETTINGS = (
             metavar="DEVICE", flags=("--device", "--devices"), unset="all available"),
     Setting("require", f"fail unless the target has this capability ({', '.join(CAPABILITIES)}) or behaviour "
             f"(KEY=VALUE as in the report header; keys: {', '.join(BEHAVIOURS)}), or length=N: the target must take "
-            f"sequences of N positions (a module's probed max length)", kind="list",
+            f"sequences of N positions (a module's probed max length), head-dims=LO-HI: every probed head dim "
+            f"between, dtypes=A,B: these dtypes (a kernel's envelope)", kind="list",
             metavar="CAPABILITY|KEY=VALUE"),
     Setting("call-timeout", "seconds a call into a target may take on a small case (proportionally more on larger "
             "ones; an import 6 times as long) before it fails its property as a hang; 0 or none: no deadline",

@@ -212,11 +212,12 @@ def non_contiguous(target, case):
     """attn(strided X) == attn(X.contiguous()) within the budget, for three layouts of the same values.
 
     Layouts: column-major storage (a transpose), a strided view into a NaN-filled buffer (a
-    slice with a storage offset), and (for attention functions) K, V and mask broadcast with
-    stride 0 over two heads of the same queries.
+    slice with a storage offset), and (for attention functions) mixed ones, K contiguous and V
+    transposed and the other way (a kernel passing K's strides for V passes when all share one),
+    and K, V and mask broadcast with stride 0 over two heads of the same queries.
     Why: real inputs are views: heads split by transpose, KV caches sliced, masks expanded.
     Catches: .view() on a non-contiguous tensor, kernels that index i * D + j from the data
-    pointer (they read the transposed values, or the NaN around a slice).
+    pointer (they read the transposed values, or the NaN around a slice), K read with V's strides.
     """
     require_responsive(target, case)
     if isinstance(case, MhaCase):
@@ -245,13 +246,23 @@ def non_contiguous(target, case):
     for layout, relayout in (("transposed (column-major)", _column_major),
                              ("sliced (strided views into a NaN-filled buffer)", _view_into_padding)):
         _same_output(run, layout, _relaid(inputs(), relayout), expected, limit)
+    if isinstance(case, Case):  # K and V in different layouts: a kernel that reads one with the other's strides
+        for layout, relayout in (("mixed (K contiguous, V transposed)", _mixed(_column_major, "v")),
+                                 ("mixed (Q and K transposed, V contiguous)", _mixed(_column_major, "q", "k"))):
+            _same_output(run, layout, relayout(*inputs()), expected, limit, mixed=True)
     if isinstance(case, Case) and supports(target).batch:  # the third layout adds a head dim
         same = expected.unsqueeze(-3).expand(*expected.shape[:-2], 2, *expected.shape[-2:])  # [..., 2, Tq, Dv]
         _same_output(run, "expanded (stride-0 broadcast)", _two_heads_sharing_kv(*inputs()), same, limit)
 
 
-def _same_output(run, layout, strided, expected, limit):
-    """run(*strided) must equal ``expected``, the output on contiguous copies, within ``limit``."""
+def _mixed(relayout, *names):
+    """(q, k, v, mask) -> the same with only the inputs ``names`` relaid: Q, K and V in different layouts."""
+    return lambda q, k, v, m: tuple(relayout(t) if name in names else t for name, t in zip("qkvm", (q, k, v, m)))
+
+
+def _same_output(run, layout, strided, expected, limit, mixed=False):
+    """run(*strided) must equal ``expected``, the output on contiguous copies, within ``limit`` (``mixed``: Q, K and V
+    in different layouts)."""
     try:
         got = run(*strided)
     except TargetRaised as exc:
@@ -259,7 +270,7 @@ def _same_output(run, layout, strided, expected, limit):
         exc.cause = worded(because("view-on-non-contiguous"))
         raise
     assert_close(got, expected, budget=limit, what=f"the output on {layout} inputs against contiguous copies of them",
-                 call=f"the target on {layout} inputs", cause=because("strides-ignored", got=got),
+                 call=f"the target on {layout} inputs", cause=because("strides-ignored", got=got, mixed=mixed),
                  labels=(f"the output on {layout} inputs", "the target's own output on contiguous copies of them"))
 
 

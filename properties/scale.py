@@ -12,7 +12,7 @@ import torch
 from attn_spec import reference
 from attn_spec.checking import probes
 from attn_spec.checking.assertions import assert_close, fail
-from attn_spec.checking.cases import Case, MhaCase
+from attn_spec.checking.cases import DTYPES, Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.tolerance import budget
 from attn_spec.failures import because
@@ -39,7 +39,8 @@ def scale_sqrt_dk(target, case):
     scale, 1/d_k, sqrt(d_model) for a per-head d_k, a scale applied twice, a hard-coded d_k.
     """
     require_responsive(target, case)
-    dtype, tol = (torch.float64, 1e-6) if case.dtype == "float64" else (torch.float32, 1e-3)
+    dtype, tol = (torch.float64, 1e-6) if case.dtype == "float64" else (torch.float32, 1e-3) \
+        if case.dtype == "float32" else (DTYPES[case.dtype], 16 * torch.finfo(DTYPES[case.dtype]).eps)  # its own dtype
     if isinstance(case, MhaCase):
         d_k, n_heads = case.d_model // case.n_heads, case.n_heads
         found = probes.scale_module(target, d_k, n_heads, dtype, case.device)

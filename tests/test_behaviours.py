@@ -61,8 +61,16 @@ def ignores_mask(Q, K, V, mask=None):
 
 
 def rejects_masks(Q, K, V, mask=None):
+    """Its own refusal before any arithmetic: a declaration (attn_spec.targets.envelope), so the probe is n/a."""
     if mask is not None:
         raise ValueError("masks are not supported")
+    return nan_rows(Q, K, V)
+
+
+def crashes_on_masks(Q, K, V, mask=None):
+    """A crash inside the computation on a mask (a size mismatch from torch): the probe raises."""
+    if mask is not None:
+        Q = mask.to(Q.dtype) @ Q  # [Tq, Tk] x [Tq, D]: Tk != Tq in every probe
     return nan_rows(Q, K, V)
 
 
@@ -85,7 +93,8 @@ def _probe(fn, convention=None):
 
 
 @pytest.mark.parametrize("fn, expected", [(nan_rows, "nan"), (zero_rows, "zeros"), (uniform_rows, "uniform"),
-                                          (unmasked_fallback, "other"), (rejects_masks, "raises"),
+                                          (unmasked_fallback, "other"), (rejects_masks, "n/a"),
+                                          (crashes_on_masks, "raises"),
                                           (returns_a_tuple, "other"), (takes_no_mask, "n/a")])
 def test_fully_masked_row(fn, expected):
     assert _probe(fn)["fully-masked"] == expected
@@ -105,12 +114,14 @@ def test_fully_masked_row_of_a_kernel_without_masks_is_read_through_is_causal():
 
 
 @pytest.mark.parametrize("fn, expected", [(nan_rows, "true-attends"), (true_ignores, "true-ignores"),
-                                          (ignores_mask, "other"), (rejects_masks, "raises")])
+                                          (ignores_mask, "other"), (rejects_masks, "n/a"),
+                                          (crashes_on_masks, "raises")])
 def test_mask_polarity(fn, expected):
     assert _probe(fn)["mask-polarity"] == expected
 
 
-@pytest.mark.parametrize("fn, expected", [(nan_rows, "propagates"), (zero_rows, "ignored"), (rejects_masks, "raises")])
+@pytest.mark.parametrize("fn, expected", [(nan_rows, "propagates"), (zero_rows, "ignored"), (rejects_masks, "n/a"),
+                                           (crashes_on_masks, "raises")])
 def test_masked_nan(fn, expected):
     assert _probe(fn)["masked-nan"] == expected
 

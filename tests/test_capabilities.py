@@ -29,6 +29,13 @@ def unbatched(Q, K, V, mask=None):
 
 
 def crashes_on_batches(Q, K, V, mask=None):
+    """A crash inside the computation (torch.mm takes matrices only): no declaration."""
+    weights = torch.softmax(torch.mm(Q, K.T) / Q.shape[-1] ** 0.5, dim=-1)
+    return weights @ V
+
+
+def refuses_batches(Q, K, V, mask=None):
+    """Its own check before any arithmetic (a ValueError it raises): a declaration, as NotImplementedError is."""
     if Q.dim() > 2:
         raise ValueError("expected 2-D inputs")
     return seed_attention(Q, K, V, mask)
@@ -74,7 +81,8 @@ def test_sdpa_has_every_capability():
 @pytest.mark.parametrize("fn, name, value, reason", [
     (no_mask, "mask", "no", "takes no mask argument"),
     (unbatched, "batch", "no", "2-D inputs only"),
-    (crashes_on_batches, "batch", "raises", "ValueError: expected 2-D inputs"),
+    (crashes_on_batches, "batch", "raises", "RuntimeError: self must be a matrix"),
+    (refuses_batches, "batch", "no", "its own check: attention(Q, K, V) raised ValueError: expected 2-D inputs"),
     (square_values, "dv-ne-dk", "no", "d_v must equal d_k"),
     (detached, "autograd", "no", "no autograd"),
     (float32_only, "float16", "no", "float16 kernels are not written yet"),

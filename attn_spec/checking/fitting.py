@@ -11,6 +11,7 @@ declaring it, only long-sequences draws (its failure is that crash, one root).
 from __future__ import annotations
 
 from attn_spec.checking.cases import Case
+from attn_spec.targets.envelope import width_for
 
 MASK_NAMES = {"none": "calls without a mask", "random": "masks that are not causal", "causal": "causal masks",
               "padding": "key-padding masks"}
@@ -42,6 +43,8 @@ def fit(prop, convention: str, supports, dtypes) -> tuple[dict, list[str], list[
     limit = supports.max_length if supports.max_length is not None else supports.crash_length
     if limit is not None:  # a declared limit, or an undeclared crash that long-sequences alone goes past
         options["max_length"] = limit
+    if getattr(supports, "head_dims", None):  # a kernel's envelope: its own head dims (attn_spec.targets.envelope)
+        options["head_dims"] = supports.head_dims
     taken = [d for d in dtypes if d in supports.dtypes]
     if not taken:
         raise NotCheckable(f"the target declines every dtype checked ({', '.join(dtypes)})")
@@ -80,6 +83,9 @@ def fit_case(case, options: dict, dtypes, devices):
             case = case.replace(n_q=max(case.n_q, case.n_kv), n_kv=max(case.n_q, case.n_kv))
         if options.get("batch") is False:
             case = case.replace(batch=(), layout="contiguous")
+        taken = options.get("head_dims")
+        if taken and (case.d_k not in taken or case.d_v not in taken):
+            case = case.replace(d_k=width_for(taken, case.d_k), d_v=width_for(taken, case.d_v))
         if options.get("same_width"):
             case = case.replace(d_v=case.d_k)
         if case.kv_heads and "grouped" in options and options["grouped"] is None:

@@ -165,8 +165,8 @@ class Reference:
 
     def fast_budget(self) -> float:
         """What every row may differ from the fast reference by: twice the rows' budget with its floor over all rows."""
-        q, k, v, _ = self.inputs
-        return 2 * earned(self.naive_rows_error, floor_unit(q, k, v, scale=self.options["scale"]))
+        q, k, v, mask = self.inputs
+        return 2 * earned(self.naive_rows_error, floor_unit(q, k, v, mask, **self.options))
 
     def error(self, got) -> float:
         """max |got - ref64| on the judged rows."""
@@ -249,7 +249,7 @@ def _build(q, k, v, mask, options) -> Reference:
                                                          exact) for impl in (naive_attention, seed_attention)]
     finite = [e for e in errors if math.isfinite(e)]
     ref.naive_rows_error = max(finite) if finite else 0.0
-    ref.budget = earned(ref.naive_rows_error, floor_unit(q_rows, k, v, scale=options["scale"]))
+    ref.budget = earned(ref.naive_rows_error, floor_unit(q_rows, k, v, m_rows, scale=options["scale"]))
     return ref
 
 

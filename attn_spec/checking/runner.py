@@ -22,7 +22,7 @@ from attn_spec.checking.cases import available_devices
 from attn_spec.checking.catalog import Property
 from attn_spec.checking.counterexamples import counterexample
 from attn_spec.checking.fitting import NotCheckable, fit, fit_case
-from attn_spec.targets.capabilities import (Supports, envelope, parse_capabilities, parse_length, probe_capabilities,
+from attn_spec.targets.capabilities import (Supports, envelope, envelope_gaps, parse_capabilities, parse_dtypes, parse_length, probe_capabilities,
                                           required, supports)
 from attn_spec.targets.behaviours import parse_requirements, probe_behaviours
 from attn_spec.targets.capture import capture
@@ -365,8 +365,9 @@ def blocker(result, failed, catalog: dict[str, Property]) -> str | None:
     return blockers[0] if blockers else None
 
 
-def requirements(report: TargetReport, require) -> list[PropertyResult]:
-    """One result per ``--require`` item: a pass, or a failure saying what was required and found."""
+def requirements(report: TargetReport, require, target=None) -> list[PropertyResult]:
+    """One result per ``--require`` item: a pass, or a failure saying what was required and found (``target``: the
+    probed target, for the head dims it takes)."""
     results = []
     for key, value in parse_requirements(require).items():
         result = PropertyResult(f"convention:{key}", "pass", statement=f"required: {key}={value}")
@@ -382,6 +383,15 @@ def requirements(report: TargetReport, require) -> list[PropertyResult]:
             result.status = "fail"
             result.message = (f"required length={need}, found {'max length ' if found.isdigit() else 'length '}{found}: "
                               f"{report.lacks.get('length', '')}")
+        results.append(result)
+    supported = target.supported if target is not None and target.supported is not None else Supports()
+    for name, gap in envelope_gaps(report.capabilities, supported, require).items():  # head-dims=LO-HI, dtypes=A,B
+        item = next(item for item in require if item.startswith(f"{name}="))
+        result = PropertyResult(f"capability:{name}", "pass", statement=f"required: {item}")
+        if gap:
+            result.status = "fail"
+            why = report.lacks.get(name) or next((report.lacks[d] for d in parse_dtypes(require) if d in report.lacks), "")
+            result.message = f"required {item}, found {gap}: {why}"
         results.append(result)
     for name in parse_capabilities(require):
         result = PropertyResult(f"capability:{name}", "pass", statement=f"required capability: {name}")
@@ -511,7 +521,7 @@ def check_target(target: Target, props: list[Property], *, profile="default", se
             result.found_after_calls -= probe_calls
     ran = {p.id: p for p in props}
     mark_blocked(report.properties, ran)
-    report.properties.extend(probe_errors + requirements(report, require))
+    report.properties.extend(probe_errors + requirements(report, require, target))
     return finish(report, target, ran)
 
 

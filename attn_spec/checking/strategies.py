@@ -81,6 +81,7 @@ PROFILES = {
 }
 
 
+BLOCK_LENGTHS = (200,)  # drawn for a kernel with a head-dim envelope: no multiple of 16, 64 or 128, past 3 blocks of 64
 MASK_KINDS = ("none", "random", "causal", "padding")  # padding: key-padding masks [..., 1, Tk]
 MHA_MASK_KINDS = ("none", "random", "causal")  # a multi-head case draws no key-padding mask (MhaCase)
 
@@ -140,7 +141,8 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
           masks=("none", "random", "causal"), cross: bool | None = None, batch: bool | None = None,
           min_n_kv: int = 1, square: bool = False, same_width: bool = False,
           max_length: int | None = None, segments: bool = False, cache: bool = False, pages: bool = False,
-          page_granule: int = 1, splits: bool = False, grouped: int | None = None) -> st.SearchStrategy[Case]:
+          page_granule: int = 1, splits: bool = False, grouped: int | None = None,
+          head_dims: tuple[int, ...] | None = None) -> st.SearchStrategy[Case]:
     """Attention cases for one profile.
 
     - ``dtypes``: dtype names drawn from, first one preferred when shrinking (default all four).
@@ -158,6 +160,8 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     - ``cache``: a batch of decode calls (batch[0] elements): each element's cache length in [min(n_q, n_kv), n_kv];
       ``pages``: a page size (a multiple of ``page_granule``, the kernel's smallest) and 0..3 spare pages;
       ``splits``: a num_splits in 0..the profile's max_splits.
+    - ``head_dims``: d_k and d_v drawn from these only (a kernel's envelope, attn_spec.targets.envelope), smallest
+      first; the large lengths then add BLOCK_LENGTHS, past the blocks kernels tile by.
     - ``grouped``: the batch dims from this one on are heads, and the last of them is drawn grouped: g * H_kv query
       heads over H_kv key/value heads (``kv_heads``; 0 where g = 1). None: never grouped.
 
@@ -168,7 +172,10 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
     devices = checked(devices or available_devices(), available_devices(), "devices")
     masks = checked(masks, MASK_KINDS, "masks")
     small = sizes(prof.small)
-    length, dim = sizes(prof.small, prof.lengths), sizes(prof.small, prof.dims)
+    length, dim, small_dim = sizes(prof.small, prof.lengths), sizes(prof.small, prof.dims), small
+    if head_dims:  # a kernel's envelope: its own widths at every size, and lengths past its blocks
+        length = sizes(prof.small, tuple(dict.fromkeys(prof.lengths + BLOCK_LENGTHS)))
+        small_dim = dim = st.sampled_from(tuple(head_dims))
     batch_dims = st.lists(st.integers(1, 3), min_size=1 if batch else 0,
                           max_size=0 if batch is False else prof.max_batch_dims).map(tuple)
 
@@ -195,12 +202,12 @@ def cases(profile: str | Profile = "default", *, dtypes=tuple(DTYPES), devices=N
         # One case in four may use the large sizes: they find other bugs (blocking, overflow)
         # but cost far more per example. Shrinks towards small.
         large = draw_(large_sizes)
-        lengths, dims = (length, dim) if large else (small, small)
+        lengths, dims = (length, dim) if large else (small, small_dim)
         n_q, n_kv = draw_(lengths), draw_(kv_lengths[large])
         d_k, d_v = draw_(dims), draw_(dims)
         if cross is True:
             n_kv = n_kv if n_kv != n_q else n_q + 1
-            d_v = d_v if d_v != d_k else d_k + 1
+            d_v = d_v if d_v != d_k else next((d for d in head_dims or () if d != d_k), d_k + 1)
         elif cross is False:
             n_kv, d_v = n_q, d_k
         n_kv = max(n_kv, min_n_kv)

@@ -8,7 +8,7 @@ arithmetic on the result would add):
     |target - ref64|_max  <=  FACTOR * |naive - ref64|_max  +  FLOOR_ULPS * floor_unit
 
 where |naive - ref64| is the larger error of two ordinary orderings of the formula, and
-floor_unit = eps(dtype) * max|V| * (sqrt(n_kv) + max|scaled score|).
+floor_unit = eps(dtype) * max|V| * (sqrt(n_kv) + max|scaled score|), the score the largest the call computed.
 
 This is how FlashAttention and PyTorch's SDPA tests judge kernels; see
 ``shared/anchors/attention-test-suites.md``. The factor and floor were calibrated on the
@@ -124,16 +124,42 @@ def naive_error(q, k, v, mask, ref_out, *, scale=None, causal=False, causal_alig
     return max(finite) if finite else 0.0  # both overflowed: judge by the floor alone
 
 
-def floor_unit(q, k, v, *, scale=None) -> float:
+def max_score(q, k, mask=None, *, scale=None, causal=False, causal_alignment="top-left") -> float:
+    """max |scale * q_i . k_j| over the entries a query may attend, in float64 (a bool mask's False, a float mask's
+    -inf and the causal future left out), a chunk of query rows at a time: what the call really computed."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
+    device, n_q, top = chunked.compute_device(q), q.shape[-2], 0.0
+    for _, q_e, k_e, _, mask_e in chunked.elements(q, k, k, mask):
+        k64 = k_e.detach().to(device, torch.float64)  # [Tk, Dk]
+        for rows in chunked.row_chunks(n_q, k.shape[-2], chunked.chunk_bytes_for(device)):
+            scores, _ = chunked.chunk_scores(q_e[rows].detach().to(device, torch.float64), k64, None, rows, n_q,
+                                             scale=scale, causal=causal, causal_alignment=causal_alignment)  # [c, Tk]
+            allowed = torch.isfinite(scores)  # [c, Tk]: the causal future is -inf
+            if mask_e is not None:
+                m = chunked.row_mask(mask_e, rows).to(device)  # [c or 1, Tk]
+                allowed &= m if m.dtype == torch.bool else ~torch.isneginf(m)
+            if allowed.any():
+                top = max(top, scores.abs()[allowed].max().item())
+    return top
+
+
+def floor_unit(q, k, v, mask=None, *, scale=None, causal=False, causal_alignment="top-left") -> float:
     """eps(dtype) * max|V| * (sqrt(n_kv) + max|scaled score|).
 
     sqrt(n_kv): rounding in a sum of n_kv weighted values. max|score|: a score s carries a
-    rounding error of about eps * |s|, and the softmax passes it on to the weights.
+    rounding error of about eps * |s|, and the softmax passes it on to the weights. The score is
+    the largest the call computed (:func:`max_score`), not a bound: max|q| max|k| d scale is 143.9 at
+    128 x 256, d 64, where the largest is 4.28, a budget loose enough to pass a kernel that reads
+    the wrong keys. Where Q and K do not broadcast (grouped heads), that bound.
     """
     if not v.numel() or not k.shape[-2]:
         return eps(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
-    score = q.detach().abs().amax().item() * k.detach().abs().amax().item() * q.shape[-1] * scale
+    try:
+        score = max_score(q, k, mask, scale=scale, causal=causal, causal_alignment=causal_alignment)
+    except RuntimeError:  # grouped heads: Q's and K's head dims differ
+        score = q.detach().abs().amax().item() * k.detach().abs().amax().item() * q.shape[-1] * (
+            1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale))
+    score = score if math.isfinite(score) else 1e6
     v_scale = max(1.0, v.detach().abs().max().item())
     return eps(q.dtype) * v_scale * (math.sqrt(k.shape[-2]) + min(score, 1e6))
 
@@ -142,7 +168,7 @@ def budget(q, k, v, mask, ref_out, *, scale=None, causal=False, causal_alignment
     """The largest error a correct implementation may show on these inputs (``causal``: under the
     causal mask of that alignment, as ``reference.attention`` takes it)."""
     naive = naive_error(q, k, v, mask, ref_out, scale=scale, causal=causal, causal_alignment=causal_alignment)
-    return earned(naive, floor_unit(q, k, v, scale=scale))
+    return earned(naive, floor_unit(q, k, v, mask, scale=scale, causal=causal, causal_alignment=causal_alignment))
 
 
 def same_dtype_lse(q, k, mask=None, *, scale=None, first_scale=True, softcap=None):
@@ -216,4 +242,4 @@ def softcap_budget(q, k, v, mask, ref_out, cap: float) -> float:
     errors = [e for e in (max_error(softcap_attention(q, k, v, mask, cap, first_scale=first), ref_out)
                           for first in (True, False)) if math.isfinite(e)]
     capped_unit = eps(q.dtype) * max(1.0, v.detach().abs().max().item() if v.numel() else 1.0) * (math.sqrt(k.shape[-2]) + cap)
-    return earned(max(errors, default=0.0), min(floor_unit(q, k, v), capped_unit))
+    return earned(max(errors, default=0.0), min(floor_unit(q, k, v, mask), capped_unit))

@@ -88,11 +88,16 @@ def _wrong_dtype(got, wanted) -> str:
             else f"the result is computed in {name} and never cast back to {wanted}")
 
 
-def _strides_ignored(got) -> str:
-    return ("the code reads outside the view: it ignores the strides or the storage offset (NaN from "
-            "the buffer around the slice)" if not torch.isfinite(got).all()
-            else "the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
-                 "or a kernel computing i * D + j)")
+def _strides_ignored(got, mixed=False) -> str:
+    """NaN: read outside the view; else, with Q, K and V in different layouts (``mixed``), one read with another's
+    strides; else memory indexed as if contiguous."""
+    if not torch.isfinite(got).all():
+        return ("the code reads outside the view: it ignores the strides or the storage offset (NaN from "
+                "the buffer around the slice)")
+    if mixed:
+        return "the code reads one input with another's strides (K's and V's passed as one)"
+    return ("the code indexes memory as if the inputs were contiguous (raw strides, as_strided, "
+            "or a kernel computing i * D + j)")
 
 
 def _long_rows(got, q, k, v, mask, expected, allowed) -> str:

@@ -102,7 +102,7 @@ def header_lines(t: TargetReport) -> list[str]:
     if t.capabilities:
         has = [f"max length {value}" if name == "length" else name if value == "yes" else f"{name} ({value})"
                for name, value in t.capabilities.items() if value not in ("no", "raises", "error", "n/a", "unchecked")
-               and not (name == "length" and value == "yes")]  # no limit up to the probe's ceiling: not news
+               and not (name in ("length", "head-dims", "float32") and value == "yes")]  # no limit, the baseline: not news
         lacks = [f"{name} ({value}: {_first_line(t.lacks[name])})" for name, value in t.capabilities.items()  # uncut
                  if value in ("no", "raises", "error")]
         lines.append("capabilities: " + (", ".join(has) or "none") + ("; lacks " + "; ".join(lacks) if lacks else ""))

@@ -16,6 +16,7 @@ from attn_spec.dtypes import DTYPES
 from attn_spec.errors import KitUsageError, NotDifferentiable, TargetRaised, Unsupported
 from attn_spec.failures import fail, message
 from attn_spec.targets.detached import how_detached
+from attn_spec.targets.envelope import fit_widths
 from attn_spec.targets.guard import StateGuard, passes_through
 from attn_spec.targets.integrity import not_plain
 from attn_spec.targets.forked import call_forked
@@ -238,8 +239,12 @@ class Target:
             why = self.lacks_option(key)
             if why:
                 raise Unsupported(why, total=True)
+        q, k, blocks, d_v = fit_widths(self.supported, q, k, v, scale)  # a probe's widths, inside the envelope
         with torch.no_grad():
-            return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal, **options)
+            if len(blocks) == 1 and blocks[0] is v:
+                return self._attend(q, k, v, mask, scale=scale, is_causal=is_causal, **options)
+            outs = [self._attend(q, k, block, mask, scale=scale, is_causal=is_causal, **options) for block in blocks]
+        return torch.cat(outs, dim=-1)[..., :d_v].clone()  # [..., Tq, Dv]
 
     @property
     def raising_declines(self) -> tuple[str, ...]:

@@ -31,7 +31,8 @@ import torch
 
 from attn_spec.dtypes import DTYPES
 from attn_spec.errors import Failure, KitUsageError, TargetRaised, Unsupported
-from attn_spec.targets.capabilities import supports
+from attn_spec.targets.capabilities import VALUED, supports
+from attn_spec.targets.envelope import declared_refusal
 
 VALUES = {  # the values a user may require; a probe may also report "other" or "raises"
     "fully-masked": ("nan", "zeros", "uniform"),
@@ -217,15 +218,17 @@ def _safely(probe, target, dtype, device) -> str:
         return probe(target, dtype, device)
     except Unsupported:  # the target takes no mask (or no is_causal): the convention does not arise
         return "n/a"
-    except TargetRaised:
-        return "raises"
+    except TargetRaised as exc:  # a refusal of its own: these inputs are outside its envelope
+        return "n/a" if declared_refusal(exc) else "raises"
     except Failure:  # the adapter rejected the output (not a tensor, wrong shape)
         return "other"
 
 
 def probe_behaviours(target, dtype: str = "float32", device: str = "cpu") -> dict[str, str]:
-    """The behaviours of ``target`` (an adapter), probed on tiny inputs of one dtype and device; kept on it."""
-    torch_dtype = DTYPES[dtype]
+    """The behaviours of ``target`` (an adapter), probed on tiny inputs of one dtype and device, inside its envelope
+    (the header's base dtype where it declines ``dtype``; widths fitted by attn_spec.targets.envelope); kept on it."""
+    taken = supports(target, device=device)
+    torch_dtype = DTYPES[dtype if dtype in taken.dtypes else taken.base_dtype]
     found = {key: _safely(probe, target, torch_dtype, device) for key, probe in PROBES.items()}
     found["weights-returned"] = "yes" if target.returns_weights else "no"  # the others return only out
     found = {key: found[key] for key in VALUES}  # the documented order
@@ -249,7 +252,7 @@ def parse_requirements(items) -> dict[str, str]:
     valid = "; ".join(f"{key}={'|'.join(values)}" for key, values in VALUES.items())
     required = {}
     for item in items or ():
-        if "=" not in item or item.startswith("length="):  # capabilities, and length=N (capabilities.parse_length)
+        if "=" not in item or item.partition("=")[0] in VALUED:  # capabilities, and length=N, head-dims=, dtypes=
             continue
         key, _, value = item.partition("=")
         if key not in VALUES or value not in VALUES[key]:

@@ -4,8 +4,8 @@ The probe runs self-attention over LENGTH_CEILING positions; a target that fails
 the largest length n it takes. A failure at n + 1 is a *limit* (``max length n``: the properties draw
 up to it and the verdict says ``CONFORMS up to n positions``) only when it is declared:
 
-- by the target's own refusal: ``attn_spec.Unsupported``, a ``NotImplementedError``, or an ``assert`` or
-  ``raise ValueError`` statement in its own code (``loading.raised_on_purpose``: the innermost frame is a
+- by the target's own refusal: ``attn_spec.Unsupported``, or an ``assert``, ``raise ValueError``, ``TypeError`` or
+  ``NotImplementedError`` statement in its own code (``envelope.declared_refusal``: the innermost frame is a
   ``raise`` in the user's file, not an index or a torch kernel);
 - by the module's size: a position attribute of n (``block_size``, ``max_position_embeddings``,
   ``n_positions``, ... on the module, its ``config``, the adapter or an hf target's config), or a buffer
@@ -25,7 +25,7 @@ import torch
 
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 from attn_spec.reference import causal_mask
-from attn_spec.targets.loading import raised_on_purpose
+from attn_spec.targets.envelope import declared_refusal
 
 LENGTH_CEILING = 2048  # every length the profiles draw (long-sequences at thorough: 2048 keys); no more, since a
 # float64 target holds [n, n] scores at it (32 MiB at 2048, within a graded submission's memory)
@@ -49,11 +49,6 @@ def _shape_crash(exc: TargetRaised) -> bool:
     """A crash at a shape check: an index or assertion error, or torch's size mismatch."""
     return isinstance(exc.exc, (IndexError, AssertionError, ValueError)) or (
         isinstance(exc.exc, RuntimeError) and any(word in str(exc.exc) for word in ("size", "shape", "dimension")))
-
-
-def _own_check(exc: TargetRaised) -> bool:
-    """An ``assert`` or ``raise ValueError`` statement in the target's own code: a deliberate refusal."""
-    return isinstance(exc.exc, (AssertionError, ValueError)) and raised_on_purpose(exc.exc)
 
 
 def _named(obj, name):
@@ -87,18 +82,18 @@ def declared_size(target, n: int) -> str:
     return ""
 
 
-def probe_length(target, dtype, device, masked: bool, required: int | None = None) -> Length:
-    """The ``length`` capability of ``target`` (self-attention [n, 2], the causal mask where ``masked``)."""
+def probe_length(target, dtype, device, masked: bool, required: int | None = None, d: int = 2) -> Length:
+    """The ``length`` capability of ``target`` (self-attention [n, d], the causal mask where ``masked``)."""
     def takes(n):  # (runs, why, the exception when it crashed undeclared)
-        q, k, v = (torch.randn(n, 2, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                   .to(device=device, dtype=dtype) for s in range(3))  # [T, D=2] each
+        q, k, v = (torch.randn(n, d, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                   .to(device=device, dtype=dtype) for s in range(3))  # [T, D=d] each
         try:
             target.attend(q, k, v, causal_mask(n, n, device=device) if masked else None)
             return True, "", None
         except Unsupported as exc:
             return False, str(exc), None
         except TargetRaised as exc:
-            if _own_check(exc):
+            if declared_refusal(exc):
                 return False, f"its own check: {exc.message}", None
             if _shape_crash(exc):
                 return False, exc.message, exc
