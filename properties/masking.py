@@ -105,22 +105,7 @@ def _causal_outputs(target, q, k, v, mask):
         return  # wrong without a mask too: not the mask's failure
     ref.check(got, what="the output under the causal mask against the float64 reference (without a mask it "
               "matches)", call="attention(Q, K, V, causal mask)",
-              cause=lambda: _diagnose_causal(got, q, k, v, mask, ref.budget))
-
-
-def _diagnose_causal(got, q, k, v, mask, allowed) -> str:
-    """Which wrong mask reproduces the output, on a few rows (probes.sample_rows)."""
-    rows = probes.sample_rows(q.shape[-2])  # [R] first and last among them
-    i, j = rows[:, None], torch.arange(k.shape[-2])[None, :]  # [R, 1], [1, Tk]
-    m = mask[..., rows.to(mask.device), :].cpu()  # [R, Tk]
-    candidates = [("the mask is ignored", None),
-                  ("the mask is applied with inverted polarity (True taken as 'ignore')", ~m),
-                  ("the causal mask is off by one (the diagonal is masked: triu with diagonal=0?)", m & (j < i))]
-    got_rows = got[..., rows.to(got.device), :]
-    for cause, candidate in candidates:
-        if max_error(got_rows, reference.attention(q[..., rows.to(q.device), :], k, v, candidate)[0]) <= allowed:
-            return cause
-    return "the mask does not reach every query and key (applied to the wrong axis or a fixed-size block?)"
+              cause=because("causal-rows", got=got, q=q, k=k, v=v, mask=mask, allowed=ref.budget))
 
 
 def _one_copy_per_query(q, k, v, mask, rows):

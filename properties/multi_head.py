@@ -5,14 +5,13 @@ Each function's docstring states the math, why it matters, and the bugs it catch
 from __future__ import annotations
 
 from attn_spec import reference
-from attn_spec.checking import chunked
 from attn_spec.checking.assertions import assert_close
 from attn_spec.checking.cases import Case, MhaCase
 from attn_spec.checking.catalog import Lesson, derivation, prop
 from attn_spec.checking.rows import reference as row_reference
-from attn_spec.checking.tolerance import max_error, multihead_budget
+from attn_spec.checking.tolerance import multihead_budget
 from attn_spec.errors import TargetRaised, Unsupported
-from attn_spec.failures import because
+from attn_spec.failures import because, worded
 from attn_spec.targets.behaviours import behaviour
 from attn_spec.targets.conventions import FUNCTION_CONVENTIONS, MULTIHEAD_CONVENTIONS
 from attn_spec.properties.informative import require_responsive
@@ -143,44 +142,29 @@ def gqa_equivalence(target, case):
         got = target.attend(*_grouped_inputs(case, n_heads, n_kv_heads))  # [..., Hq, Tq, Dv]
     except TargetRaised as exc:
         if target.gqa_contract:  # grouped heads are part of the convention (hf, flex): raising on them is a failure
-            exc.cause = (f"the target ignores {target.gqa_contract}: K/V heads are not repeated to the query heads "
-                         f"(query head h reads KV head h // g)")
+            exc.cause = worded(because("gqa-contract-ignored", contract=target.gqa_contract))
             raise
         raise Unsupported(f"no grouped-query attention: with {n_heads} query heads and {n_kv_heads} KV heads, "
                           f"{exc.message}", total=True) from None
     require_responsive(target, case)
     grouping = target.gqa_grouping or behaviour(target, "gqa-grouping", case.dtype, case.device)  # hf: repeat_kv's
     q, k, v, mask = _grouped_inputs(case, n_heads, n_kv_heads)  # the kit's own copies
-    repeated = [_repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
+    repeated = [repeat_heads(t, group, grouping) for t in (k, v)]  # [..., Hq, Tk, D]
     ref = row_reference(q, *repeated, mask)  # on chosen rows at long lengths (checking.rows)
     whose = "the convention's" if target.gqa_grouping else "the target's"
     ref.check(got, what=f"the output against the float64 reference on K/V heads repeated "
               f"in {whose} grouping (gqa-grouping={grouping})", call=f"attention(Q [{n_heads} heads], "
               f"K [{n_kv_heads} heads], V [{n_kv_heads} heads])",
-              cause=lambda: _diagnose_gqa(got, q, k, v, mask, group, ref.budget, grouping, bool(target.gqa_grouping)),
+              cause=because("gqa-mapping", got=got, q=q, k=k, v=v, mask=mask, group=group, allowed=ref.budget,
+                            grouping=grouping, contract=bool(target.gqa_grouping)),
               inputs={"Q": q, "K": k, "V": v, "mask": mask})
 
 
-def _repeat_heads(t, group, grouping):
+def repeat_heads(t, group, grouping):
     """K or V [..., Hkv, T, D] -> [..., g * Hkv, T, D] in the grouping: tile [h0, h1, h0, h1], else blocked [h0, h0, h1, h1]."""
     if grouping == "tile":
         return t.repeat(*[1] * (t.dim() - 3), group, 1, 1)
     return reference.repeat_kv(t, group)
-
-
-def _diagnose_gqa(got, q, k, v, mask, group, allowed, grouping, contract=False) -> str:
-    """Which head mapping reproduces the output? ``contract``: the convention fixes ``grouping`` (hf: repeat_kv)."""
-    for other in ("blocked", "tile"):
-        repeated = [_repeat_heads(t, group, other) for t in (k, v)]
-        if other != grouping and max_error(got, chunked.reference_output(q, *repeated, mask)) <= allowed:
-            if contract:
-                return (f"the query heads follow the {other} grouping, but the convention's is {grouping} (Hugging "
-                        f"Face's repeat_kv: query head h reads KV head h // g, as every GQA checkpoint is trained)")
-            return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
-                    f"gqa-grouping={grouping}: the head mapping depends on the input")
-    if max_error(got, chunked.reference_output(q, k[..., :1, :, :], v[..., :1, :, :], mask)) <= allowed:
-        return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
-    return "query heads are mapped to KV heads by neither grouping (blocked h // g, tile h % Hkv)"
 
 
 def _grouped_inputs(case, n_heads, n_kv_heads):

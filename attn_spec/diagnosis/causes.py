@@ -60,6 +60,8 @@ SENTENCES: dict[str, str] = {
     "tensor-without-device": "a tensor is created without device= (torch.zeros(shape) lands on "
                              "the CPU)",
     "reshaped-in-place": "{name} is transposed or reshaped in place (transpose_, t_, resize_?)",
+    "gqa-contract-ignored": "the target ignores {contract}: K/V heads are not repeated to the query heads "
+                            "(query head h reads KV head h // g)",
     "view-on-non-contiguous": "the code assumes contiguous inputs: .view() on a non-contiguous tensor (use "
                               ".reshape())?",
     "length-crash": "the target {crash}: a hard-coded size? (a deliberate limit is declared: raise "

@@ -9,7 +9,7 @@ import math
 import torch
 
 from attn_spec import reference
-from attn_spec.checking import chunked
+from attn_spec.checking import chunked, probes
 from attn_spec.checking.tolerance import max_error
 from attn_spec.diagnosis.mismatch import explain, output
 from attn_spec.diagnosis.model import MISTAKES
@@ -17,6 +17,7 @@ from attn_spec.diagnosis.numbers import masked_share, weight_factor
 from attn_spec.errors import Failure
 from attn_spec.properties.informative import NOISY_CALLS, TRIVIALLY, ignored_inputs
 from attn_spec.properties.inputs import near
+from attn_spec.properties.multi_head import repeat_heads
 
 
 # ---- the output against the reference (values)
@@ -196,6 +197,21 @@ def _float_mask_scaled(got, q, k, v, bias, allowed) -> str:
             "a finite float mask is not added to the scaled scores as a bias")
 
 
+def _causal_rows(got, q, k, v, mask, allowed) -> str:
+    """Which wrong mask reproduces the output, on a few rows (probes.sample_rows)."""
+    rows = probes.sample_rows(q.shape[-2])  # [R] first and last among them
+    i, j = rows[:, None], torch.arange(k.shape[-2])[None, :]  # [R, 1], [1, Tk]
+    m = mask[..., rows.to(mask.device), :].cpu()  # [R, Tk]
+    candidates = [("the mask is ignored", None),
+                  ("the mask is applied with inverted polarity (True taken as 'ignore')", ~m),
+                  ("the causal mask is off by one (the diagonal is masked: triu with diagonal=0?)", m & (j < i))]
+    got_rows = got[..., rows.to(got.device), :]
+    for cause, candidate in candidates:
+        if max_error(got_rows, reference.attention(q[..., rows.to(q.device), :], k, v, candidate)[0]) <= allowed:
+            return cause
+    return "the mask does not reach every query and key (applied to the wrong axis or a fixed-size block?)"
+
+
 # ---- batches
 
 def _batch_reduction(got) -> str:
@@ -203,6 +219,23 @@ def _batch_reduction(got) -> str:
     return ("a reduction runs over the whole batch: a max without dim= lets element 0's large scores "
             "underflow the others to 0/0" if not torch.isfinite(got).all() else
             "batch elements influence each other (a max, sum or normalisation over the batch dims?)")
+
+
+# ---- grouped heads
+
+def _gqa_mapping(got, q, k, v, mask, group, allowed, grouping, contract=False) -> str:
+    """Which head mapping reproduces the output? ``contract``: the convention fixes ``grouping`` (hf: repeat_kv)."""
+    for other in ("blocked", "tile"):
+        repeated = [repeat_heads(t, group, other) for t in (k, v)]
+        if other != grouping and max_error(got, chunked.reference_output(q, *repeated, mask)) <= allowed:
+            if contract:
+                return (f"the query heads follow the {other} grouping, but the convention's is {grouping} (Hugging "
+                        f"Face's repeat_kv: query head h reads KV head h // g, as every GQA checkpoint is trained)")
+            return (f"on these inputs the query heads follow the {other} grouping, but the probe found "
+                    f"gqa-grouping={grouping}: the head mapping depends on the input")
+    if max_error(got, chunked.reference_output(q, k[..., :1, :, :], v[..., :1, :, :], mask)) <= allowed:
+        return "every query head reads KV head 0 (an MQA path applied to grouped heads?)"
+    return "query heads are mapped to KV heads by neither grouping (blocked h // g, tile h % Hkv)"
 
 
 # ---- numerics
@@ -271,6 +304,8 @@ READ = {  # cause key -> the function that words it from the facts
     "scale-named": _scale_named,
     "scale-argument": _scale_argument,
     "causal-leak": _causal_leak,
+    "causal-rows": _causal_rows,
+    "gqa-mapping": _gqa_mapping,
     "mask-leak": _mask_leak,
     "masked-keys-count": _masked_keys_count,
     "float-mask-read": _float_mask_read,
