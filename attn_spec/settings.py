@@ -34,7 +34,7 @@ PRECEDENCE = "command line > environment > pyproject.toml > defaults"
 PROFILES = ("quick", "default", "thorough", "scale")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 CAPABILITIES = ("mask", "unmasked", "batch", "cross", "dv-ne-dk", "scale", "is-causal", "dropout", "autograd", "gqa",
-                "length", "float64", "float16", "bfloat16")
+                "head-dims", "length", "float64", "float32", "float16", "bfloat16")
 BEHAVIOURS = ("fully-masked", "mask-polarity", "masked-nan", "causal-alignment", "weights-returned", "gqa-grouping",
               "finite-fill")
 

@@ -14,6 +14,12 @@ os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gett
 # and 2 us with 1 (a whole quick check of one gallery bug: 59 s against 12 s). The grader judges this way too.
 torch.set_num_threads(1)
 
+# Triton kernels (tests/test_triton.py) run under Triton's interpreter where there is no CUDA device. Triton reads
+# TRITON_INTERPRET as it is imported, and other tests import it first (torch.compile, transformers' models): set it
+# before any test runs, as the kit sets it before it imports a Triton target (attn_spec.targets.interpreter).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The gallery's figures, gathered from the tests' record_property() so that they reach the summary
 # under xdist too (the workers' reports carry them to the controller).
 GALLERY: dict[str, dict] = {"kills": {}, "alarms": {}, "diagnosed": {}, "library_alarms": {}}
