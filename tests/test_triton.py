@@ -109,8 +109,7 @@ def test_an_out_of_bounds_store_fails_its_case_and_the_report_comes_out():
     assert "free(): " not in done.stderr  # glibc's last words are in the failure, not on the terminal
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 2 (the envelope, another change): the kit probes head dim 2, "
-                                       "the kernel's own assert (head dims 16-256) is read as a crash")
 def test_a_kernel_that_asserts_its_head_dims_conforms_within_them():
     target = check("pow2_head_dims", "matches-reference")
-    assert target.conforms
+    assert target.conforms, [(r.id, r.message) for r in target.properties if r.status == "fail"]
+    assert "within head dims 16/32/64/128/256" in [e["phrase"] for e in target.envelope]  # its assert, in a child

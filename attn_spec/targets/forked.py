@@ -15,6 +15,7 @@ child killed by a signal is reported by the signal's name, one that does not fin
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import faulthandler
 import importlib
@@ -139,8 +140,8 @@ def call_forked(fn, args, call: str, state):
         return value[1]
     if kind == "value" and value[0] == "declined":
         raise Unsupported(f"{call} declined: {value[1]}", total=value[2])
-    if kind == "value":  # raised: its type's name, its message, its traceback
-        raise TargetRaised(type(value[1], (Exception,), {})(value[2]), call, value[3])
+    if kind == "value":  # raised: its type's name, its message, its traceback, whether on purpose
+        raise TargetRaised(_rebuilt(*value[1:3], on_purpose=value[4]), call, value[3])
     if kind == "crashes":
         raise TargetDied(call, value, LIKELY.get(value, ""), words)
     if kind == "hangs":
@@ -195,4 +196,15 @@ def _run(fn, args) -> tuple:
             text = str(exc)
         except BaseException:  # noqa: BLE001
             text = "(its message cannot be printed)"
-        return "raised", type(exc).__name__, text, user_traceback(exc)
+        return "raised", type(exc).__name__, text, user_traceback(exc), raised_on_purpose(exc)
+
+
+def _rebuilt(name: str, text: str, *, on_purpose: bool) -> BaseException:
+    """The child's exception in the kit's process: a builtin type as itself (an ``assert`` stays an AssertionError,
+    so an envelope's refusal reads as one: attn_spec.targets.envelope), any other as a class of its name. Its
+    traceback stayed in the child, which read whether a statement of the target's own code raised it
+    (loading.raised_on_purpose) and says so."""
+    cls = getattr(builtins, name, None)
+    exc = cls(text) if isinstance(cls, type) and issubclass(cls, Exception) else type(name, (Exception,), {})(text)
+    exc.attn_spec_on_purpose = on_purpose
+    return exc

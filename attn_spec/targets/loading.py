@@ -41,6 +41,8 @@ def raised_on_purpose(exc: BaseException) -> bool:
     site-packages, torch and the kit, stopped at a ``raise``: a ``NotImplementedError`` from a
     torch kernel (``Could not run 'aten::...'``) also surfaces on the user's line, but at a call.
     """
+    if hasattr(exc, "attn_spec_on_purpose"):  # raised in a forked child, which read its traceback (targets.forked)
+        return exc.attn_spec_on_purpose
     tb = exc.__traceback__
     if tb is None:
         return False
