@@ -119,6 +119,24 @@ def test_layout_is_probed_when_the_names_do_not_tell():
     assert not forced.conforms  # read the other way round, the same kernel is wrong
 
 
+def _triton_style(q, k, v, causal=False, sm_scale=None):
+    """A Triton kernel's host signature (the Triton tutorial's, FlagAttention's): [B, H, S, D], `causal` and
+    `sm_scale`, head dims it asserts."""
+    assert q.shape[-1] in (16, 32, 64, 128), "head dims 16-128"
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+def test_causal_alone_is_not_flash_attns_layout_and_sm_scale_is_a_scale():
+    """flash-attn's [B, S, H, D] is told by softmax_scale / window_size; a kernel taking only `causal` (and
+    `sm_scale`) is probed, and where the probes cannot run it (its head dims) it is read as [B, H, S, D]."""
+    target = make_target(_triton_style)
+    assert (target.convention, target.layout) == ("sdpa", "bhsd"), target.layout_why
+    assert target.names["scale"] == "sm_scale" and target.names["is_causal"] == "causal"
+    report = attn_spec.check(_triton_style, profile="quick", seed=3, only=["matches-reference", "scale-argument"])
+    assert report.conforms, str(report)
+    assert "within head dims 16/32/64/128" in [e["phrase"] for e in report.targets[0].envelope]
+
+
 def test_the_default_layout_reads_as_one_parenthesis():
     """Where neither probe tells (here: both raise), the header's line is not "bhsd (the default (...))"."""
     def refuses(q, k, v):

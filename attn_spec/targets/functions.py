@@ -79,8 +79,9 @@ class FunctionTarget(LayoutTarget):
         return self._run(fn, q, k, v, mask, call)
 
 
-# Each argument an sdpa-style target may take, by the names libraries give it (SDPA's first, then flash-attn's).
-SDPA_NAMES = {"attn_mask": ("attn_mask",), "is_causal": ("is_causal", "causal"), "scale": ("scale", "softmax_scale"),
+# Each argument an sdpa-style target may take, by the names libraries give it (SDPA's first, then flash-attn's,
+# then Triton kernels' sm_scale).
+SDPA_NAMES = {"attn_mask": ("attn_mask",), "is_causal": ("is_causal", "causal"), "scale": ("scale", "softmax_scale", "sm_scale"),
               "window": ("sliding_window", "window_size"), "softcap": ("softcap",), "dropout": ("dropout_p",),
               "alibi": ("alibi_slopes",)}
 
@@ -99,7 +100,7 @@ class SdpaTarget(LayoutTarget):
         import torch.nn.functional as F
 
         return obj is F.scaled_dot_product_attention or (
-            names is not None and bool(set(names) & {"attn_mask", "is_causal", "causal", "softmax_scale", "dropout_p"}))
+            names is not None and bool(set(names) & {"attn_mask", "is_causal", "causal", "softmax_scale", "sm_scale", "dropout_p"}))
 
     def __init__(self, obj, name, masks=None, layout=None, **kwargs):
         self.accepts = set(parameter_names(obj) or ())

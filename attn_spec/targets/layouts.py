@@ -19,7 +19,8 @@ from attn_spec.failures import fail
 from attn_spec.errors import Failure, TargetRaised, Unsupported
 
 LAYOUTS = ("bhsd", "bshd")
-FLASH_NAMES = ("softmax_scale", "causal", "window_size")  # parameters only [B, S, H, D] kernels take
+FLASH_NAMES = ("softmax_scale", "window_size")  # parameters only [B, S, H, D] kernels take: `causal` alone is not
+# one of them (the Triton tutorial's and FlagAttention's [B, H, S, D] kernels take `causal` and `sm_scale`)
 
 
 def _grouped(q, k) -> bool:
