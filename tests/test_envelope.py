@@ -113,6 +113,8 @@ def test_each_kernel_bug_fails_inside_the_envelope_with_a_root(kernel, failing, 
     assert results[failing].status == "fail", [(p.id, p.status, p.message) for p in t.properties]
     assert t.diagnoses and phrase in (results[failing].cause or "")
     assert "within head dims 16/32/64/128" not in t.verdict  # a failing verdict names no envelope to trust
+    if kernel is kernels.reads_nq_keys:  # told apart from a hard-coded causal mask by a second probe (n_q = 3)
+        assert [d.mistake for d in t.diagnoses] == ["keys-cut-to-queries"]
 
 
 def test_the_causal_alignment_of_a_kernel_is_probed_inside_its_envelope():

@@ -86,6 +86,7 @@ def test_each_bug_fails_the_property_that_exists_for_it(name):
 def test_cross_attention_reading_n_q_keys_is_caught():
     target = check("self_length", "matches-reference", "cross-attention-shapes")
     assert {"matches-reference", "cross-attention-shapes"} & set(failing(target))
+    assert [d.mistake for d in target.diagnoses] == ["keys-cut-to-queries"]  # not a hard-coded causal mask
 
 
 def test_top_left_causal_fails_where_bottom_right_is_required():

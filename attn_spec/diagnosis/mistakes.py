@@ -244,6 +244,16 @@ def queries_keys_swapped(q, k, v, mask, scale):
     return weights(k, q, mask, scale_of(q, scale)) @ v
 
 
+@mistake("keys-cut-to-queries", family="shapes", caught_by=("matches-reference",),
+         sentence="only the first n_q keys are read: one length for queries and keys (a self-attention kernel's "
+                  "loop bound), so cross-attention with more keys than queries drops the rest",
+         fix="run the key loop to K's own length, n_kv, not to n_q")
+def keys_cut_to_queries(q, k, v, mask, scale):
+    n = min(q.shape[-2], k.shape[-2])  # keys read: the first n_q
+    cut = None if mask is None or mask.shape[-1] == 1 else mask[..., :n]
+    return correct(q, k[..., :n, :], v[..., :n, :], mask if cut is None else cut, scale)
+
+
 @mistake("returns-weights", family="shapes", caught_by=("cross-attention-shapes",),
          sentence="the function returns the attention weights instead of the output (weights @ V is missing)",
          fix="return weights @ V")

@@ -162,6 +162,16 @@ def softmax_dim_2(Q, K, V, mask=None):
 # ---------------------------------------------------------------- bugs: masks
 
 
+@buggy("matches-reference", mistake="keys-cut-to-queries",
+       bug="one sequence length for queries and keys: only the first n_q keys are read")
+def keys_cut_to_queries(Q, K, V, mask=None):
+    n = Q.shape[-2]  # the bug: the key count taken from Q, as a self-attention loop would
+    K, V = K[..., :n, :], V[..., :n, :]
+    if mask is not None and mask.shape[-1] > 1:
+        mask = mask[..., :n]
+    return torch.softmax(_masked(_scores(Q, K), mask), dim=-1).nan_to_num(0.0) @ V
+
+
 @buggy("causal-mask", "matches-reference", mistake="mask-ignored", bug="the mask argument is ignored")
 def ignores_mask(Q, K, V, mask=None):
     return torch.softmax(_scores(Q, K), dim=-1) @ V
