@@ -8,7 +8,6 @@ import math
 import torch
 
 from attn_spec.checking.cases import MhaCase
-from attn_spec.checking.probes import weights
 from attn_spec.checking.tolerance import max_error
 from attn_spec.errors import Failure, Unsupported
 

@@ -18,7 +18,6 @@ from attn_spec.checking.catalog import Lesson, prop
 from attn_spec.checking.cases import Case
 from attn_spec.checking.tolerance import earned, eps, max_error
 from attn_spec.failures import because
-from attn_spec.serving_reference import merge_reference
 
 F64 = torch.float64
 MERGE_CASES = {"masks": ("none",)}
